@@ -1,0 +1,1 @@
+"""remat_dist: distributed-aware activation checkpointing for PyTorch."""

@@ -1,0 +1,44 @@
+"""Context-local runtime state (a leaf module: imports nothing from remat_dist).
+
+Everything that says "where are we" lives here, in ``contextvars``, so that two
+threads (or two asyncio tasks) training independently never see each other's
+checkpoints, regions or scopes.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from remat_dist.core._record import CheckpointFrame
+
+__all__ = ["current_frame", "is_recomputing", "frame_var", "name_prefix_var"]
+
+frame_var: ContextVar["CheckpointFrame | None"] = ContextVar(
+    "remat_dist_frame", default=None
+)
+"""The checkpoint whose forward or replay is running in this context, if any."""
+
+name_prefix_var: ContextVar[str] = ContextVar("remat_dist_name_prefix", default="")
+"""The ``name_scope`` prefix (``a/b/``) applied to region names."""
+
+hooks_var: ContextVar[tuple[Any, ...]] = ContextVar("remat_dist_hooks", default=())
+"""The stack of ``remat_dist.saved_tensors_hooks`` active in this context."""
+
+
+def current_frame() -> "CheckpointFrame | None":
+    """The checkpoint frame running in this context, or None."""
+    return frame_var.get()
+
+
+def is_recomputing() -> bool:
+    """True only while a checkpoint is being replayed (in this context).
+
+    Use it to suppress forward-only side effects such as logging or metrics::
+
+        if not remat_dist.is_recomputing():
+            record_metric(value)
+    """
+    frame = frame_var.get()
+    return frame is not None and frame.replaying

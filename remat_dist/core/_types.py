@@ -1,0 +1,53 @@
+"""Small public types shared by the core and everything built on it (a leaf module)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["RecomputeStateHook", "SavedTensorInfo", "SavedTensorKind"]
+
+
+@runtime_checkable
+class RecomputeStateHook(Protocol):
+    """External state kept aligned between a checkpoint's forward and its replay.
+
+    ``snapshot()`` is called at checkpoint entry and after every save region on
+    forward; ``restore(state)`` is called with the matching snapshot at the same points
+    on replay, so code after a skipped save region sees the state the forward saw
+    (an RNG draw inside a skipped region does not shift later draws).
+    """
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, state: Any) -> None: ...
+
+
+class SavedTensorKind(enum.Enum):
+    """Why a tensor reaches a pack hook (see :func:`current_saved_tensor_info`)."""
+
+    CHECKPOINT_INPUT = "checkpoint_input"
+    """A tensor argument of a checkpoint, kept so that replay can start."""
+    BACKWARD = "backward"
+    """A tensor an autograd node saves for backward (inside a save region or outside
+    any checkpoint)."""
+    SAVE_OUTPUT = "save_output"
+    """A save region's output persisted because replay must feed it to later code."""
+
+
+@dataclass(frozen=True)
+class SavedTensorInfo:
+    """What a pack hook is packing, and for which region.
+
+    Attributes:
+        kind: why the tensor is packed.
+        checkpoint: the enclosing checkpoint's region name, or None outside one.
+        region: the save region's qualified name (``checkpoint::region``), or None.
+        name: the ``save_for_backward`` name where one was given, else None.
+    """
+
+    kind: SavedTensorKind
+    checkpoint: str | None = None
+    region: str | None = None
+    name: str | None = None
