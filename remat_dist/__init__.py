@@ -1,1 +1,51 @@
-"""remat_dist: distributed-aware activation checkpointing for PyTorch."""
+"""remat_dist: activation checkpointing that is aware of distributed training.
+
+``import remat_dist as remat`` gives the whole public API (see design/API.md):
+torch_remat's region model (``checkpoint``, ``region``, ``recompute_needs_tensor``,
+...), RETURNN's ``gradient_checkpoint_scope``, and the rank-aware pieces from
+``remat_dist.distributed`` re-exported here.
+"""
+
+from remat_dist.core import (
+    RecomputeStateHook,
+    SavedTensorInfo,
+    SavedTensorKind,
+    checkpoint,
+    current_saved_tensor_info,
+    is_placeholder,
+    is_recomputing,
+    name_scope,
+    recompute_needs_tensor,
+    region,
+    save_for_backward,
+    saved_tensors_hooks,
+)
+from remat_dist.errors import (
+    CollectiveReplayError,
+    PlaceholderAccessError,
+    PlanMismatchError,
+    RematError,
+    RematUsageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveReplayError",
+    "PlaceholderAccessError",
+    "PlanMismatchError",
+    "RecomputeStateHook",
+    "RematError",
+    "RematUsageError",
+    "SavedTensorInfo",
+    "SavedTensorKind",
+    "checkpoint",
+    "current_saved_tensor_info",
+    "is_placeholder",
+    "is_recomputing",
+    "name_scope",
+    "recompute_needs_tensor",
+    "region",
+    "save_for_backward",
+    "saved_tensors_hooks",
+]

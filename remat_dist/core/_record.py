@@ -1,0 +1,266 @@
+"""The per-checkpoint record and the observer seam.
+
+One checkpoint call produces one :class:`CheckpointRecord` on forward: its name, the
+ordered regions with their decisions, the save regions' saved-tensor entries and
+persisted outputs, and the state-hook snapshots. Replay walks the same record, and
+reports read it. The record lives exactly as long as the checkpoint's autograd graph
+(torch's checkpoint frame owns the replay closure that owns the record), so nothing
+saved outlives its backward.
+
+Layers above the core (the distributed ledger, traces) attach through
+:func:`register_observer`; the core never imports them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from remat_dist.core._types import RecomputeStateHook
+
+__all__ = [
+    "CheckpointObserver",
+    "CheckpointRecord",
+    "PersistedOutput",
+    "RegionRecord",
+    "SavedEntry",
+    "live_records",
+    "register_observer",
+    "set_default_state_hooks_provider",
+]
+
+TensorMeta = tuple[torch.Size, tuple[int, ...], int, torch.dtype, torch.device, bool]
+
+
+def storage_key(t: torch.Tensor) -> tuple[Any, int]:
+    """Identity of the storage behind ``t`` (views share it)."""
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return (
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+    )
+
+
+@dataclass
+class SavedEntry:
+    """One tensor a save region keeps for backward (metadata only, for reports)."""
+
+    name: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    storage: tuple[Any, int]
+    storage_nbytes: int
+    nbytes: int
+    is_parameter: bool
+    packed_by_user_hook: bool
+
+
+@dataclass
+class PersistedOutput:
+    """A save region's output kept so that replay can feed later code with it.
+
+    ``packed`` is what the user's pack hook returned (or the tensor itself);
+    ``free`` marks an output that backward keeps anyway (no extra bytes).
+    """
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor] | None
+    version: int
+    nbytes: int
+    free: bool
+
+    def get(self) -> torch.Tensor:
+        return self.packed if self.unpack is None else self.unpack(self.packed)
+
+
+@dataclass
+class RegionRecord:
+    """One region call inside a checkpoint, in forward order (pre-order)."""
+
+    name: str
+    """Qualified name, ``checkpoint::prefix/name``."""
+    local_name: str
+    recompute: bool
+    index: int
+    parent: int | None
+    inside_save: bool
+    """True for a region nested in a save region: it never runs on replay."""
+    descendants: int = 0
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    """Forward outputs (strong refs only while the forward runs)."""
+    output_meta: list[TensorMeta | None] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    output_structure: str = "tensor"
+    """``tensor``, ``tuple`` or ``list``: how replay rebuilds the return value."""
+    persisted: dict[int, PersistedOutput] = field(default_factory=dict)
+    saved: list[SavedEntry] = field(default_factory=list)
+    state_after: tuple[Any, ...] | None = None
+
+    @property
+    def is_save(self) -> bool:
+        return not self.recompute and not self.inside_save
+
+
+class CheckpointRecord:
+    """Everything one checkpoint call knows, forward and replay.
+
+    Attributes (read by replay and reports):
+        name: the checkpoint's region name.
+        regions: the region calls of the forward, in order.
+        state_hooks: the :class:`RecomputeStateHook` set in force.
+        entry_state: the hooks' snapshots at checkpoint entry.
+        input_entries: metadata of the tensor arguments (kept by torch's frame).
+        options: checkpoint options the layers above read (``collectives``, ...).
+        extensions: per-observer data (the distributed ledger lives here).
+    """
+
+    __slots__ = (
+        "name",
+        "regions",
+        "state_hooks",
+        "entry_state",
+        "input_entries",
+        "options",
+        "extensions",
+        "forward_done",
+        "replaying",
+        "replay_count",
+        "_cursor",
+        "_stack",
+        "_names",
+        "_producers",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        state_hooks: Sequence[RecomputeStateHook],
+        options: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.regions: list[RegionRecord] = []
+        self.state_hooks = tuple(state_hooks)
+        self.entry_state: tuple[Any, ...] = ()
+        self.input_entries: list[SavedEntry] = []
+        self.options = options
+        self.extensions: dict[str, Any] = {}
+        self.forward_done = False
+        self.replaying = False
+        self.replay_count = 0
+        self._cursor = 0
+        self._stack: list[RegionRecord] = []
+        self._names: set[str] = set()
+        self._producers: dict[tuple[Any, int], tuple[RegionRecord, int]] = {}
+        _live.add(self)
+
+    @property
+    def save_regions(self) -> list[RegionRecord]:
+        return [r for r in self.regions if r.is_save]
+
+    def saved_nbytes(self) -> int:
+        """Bytes this checkpoint keeps beyond its inputs: save-region saves plus
+        persisted outputs, each storage once."""
+        seen: dict[tuple[Any, int], int] = {}
+        for r in self.regions:
+            for e in r.saved:
+                seen[e.storage] = e.storage_nbytes
+        extra = sum(
+            p.nbytes for r in self.regions for p in r.persisted.values() if not p.free
+        )
+        return sum(seen.values()) + extra
+
+    def __repr__(self) -> str:
+        decisions = ", ".join(
+            f"{r.local_name}:{'recompute' if r.recompute else 'save'}"
+            for r in self.regions
+        )
+        return f"CheckpointRecord({self.name!r}, [{decisions}])"
+
+
+_live: weakref.WeakSet[CheckpointRecord] = weakref.WeakSet()
+
+
+def live_records() -> list[CheckpointRecord]:
+    """Every record whose autograd graph is still alive (weakly tracked)."""
+    return list(_live)
+
+
+class CheckpointObserver(Protocol):
+    """Notified at phase and region boundaries of every checkpoint.
+
+    Methods may be left out; only those present are called. ``replay`` is False on
+    forward. Observers must not raise except to report a real error (the error then
+    propagates to the user's forward or backward).
+    """
+
+    def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None: ...
+
+    def on_checkpoint_end(
+        self, record: CheckpointRecord, replay: bool, error: BaseException | None
+    ) -> None: ...
+
+    def on_region_start(
+        self, record: CheckpointRecord, region: RegionRecord, replay: bool
+    ) -> None: ...
+
+    def on_region_end(
+        self, record: CheckpointRecord, region: RegionRecord, replay: bool
+    ) -> None: ...
+
+
+_observers: list[Any] = []
+
+
+class _ObserverHandle:
+    def __init__(self, observer: Any) -> None:
+        self._observer = observer
+
+    def remove(self) -> None:
+        if self._observer in _observers:
+            _observers.remove(self._observer)
+
+
+def register_observer(observer: Any) -> _ObserverHandle:
+    """Attach ``observer`` (a :class:`CheckpointObserver`) to every checkpoint in
+    this process; returns a handle whose ``remove()`` detaches it."""
+    _observers.append(observer)
+    return _ObserverHandle(observer)
+
+
+def notify(event: str, *args: Any) -> None:
+    for obs in tuple(_observers):
+        method = getattr(obs, event, None)
+        if method is not None:
+            method(*args)
+
+
+_default_hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
+
+
+def set_default_state_hooks_provider(
+    provider: Callable[[], tuple[RecomputeStateHook, ...]] | None,
+) -> None:
+    """Set what ``checkpoint`` uses when the caller passes no state hooks.
+
+    The distributed layer installs one that returns the per-rank RNG hooks when a
+    process group exists; the core alone uses none (torch_remat's behaviour).
+    """
+    global _default_hooks_provider
+    _default_hooks_provider = provider
+
+
+def default_state_hooks_for_checkpoint() -> tuple[RecomputeStateHook, ...]:
+    return () if _default_hooks_provider is None else _default_hooks_provider()
