@@ -283,17 +283,24 @@ class _Phase:
         record = self.record
         self._tokens.append((frame_var.set(record), inputs_of_var.set(None)))
         record.replaying = self.replay
-        if self.replay:
-            record._cursor = 0
-            record.replay_count += 1
-            # Like torch's fork_rng: replay must not disturb the state that the
-            # rest of backward (and the next step) sees.
-            self._outside = _snapshot(record, "replay start")
-            _restore(record, record.entry_state, "checkpoint entry, replay")
-        else:
-            record.entry_state = _snapshot(record, "checkpoint entry")
-        if _record._observers:
-            _record.notify("on_checkpoint_start", record, self.replay)
+        try:
+            if self.replay:
+                record._cursor = 0
+                record.replay_count += 1
+                # Like torch's fork_rng: replay must not disturb the state that the
+                # rest of backward (and the next step) sees.
+                self._outside = _snapshot(record, "replay start")
+                _restore(record, record.entry_state, "checkpoint entry, replay")
+            else:
+                record.entry_state = _snapshot(record, "checkpoint entry")
+            if _record._observers:
+                _record.notify("on_checkpoint_start", record, self.replay)
+        except BaseException:
+            record.replaying = False
+            frame_token, inputs_token = self._tokens.pop()
+            inputs_of_var.reset(inputs_token)
+            frame_var.reset(frame_token)
+            raise
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         record = self.record
