@@ -449,6 +449,14 @@ def _describe(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
+class _Kept:
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+
 class _UserPacked:
     __slots__ = ("hooks", "packed")
 
@@ -470,14 +478,24 @@ def _save_region_hooks(
         if user is None:
             # detach: a tensor that is the op's own output would otherwise hold its
             # grad_fn, a reference cycle through the saved variable.
-            return t.detach()
+            return _Kept(t.detach(), t._version)
         info = SavedTensorInfo(SavedTensorKind.BACKWARD, record.name, rr.name, name)
         return _UserPacked(user, user.pack_with(t, info))
 
     def unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _UserPacked):
             return p.hooks.unpack_with(p.packed)
-        return p
+        t = p.tensor
+        if t._version != p.version:
+            # autograd skips its own version check for hooked saves; do it here.
+            raise RematError(
+                "one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: [{t.dtype}, {tuple(t.shape)}], "
+                f"saved by save region {rr.name!r} (checkpoint {record.name!r}), is at "
+                f"version {t._version}; expected version {p.version} instead. Fix: "
+                "clone the tensor before modifying it in place."
+            )
+        return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
