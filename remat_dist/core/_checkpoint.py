@@ -17,6 +17,7 @@ costs under ``torch.utils.checkpoint``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
@@ -48,6 +49,9 @@ from remat_dist.errors import RematError, RematUsageError
 __all__ = ["checkpoint", "name_scope", "recompute_needs_tensor", "region"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+RECORDS_METADATA_KEY = "remat_dist.records"
+"""``grad_fn.metadata`` key of a checkpoint output's node: weak refs to records."""
 
 COLLECTIVE_MODES = ("replay", "save", "verify")
 _DETERMINISM_CHECKS = ("none", "default")
@@ -213,7 +217,7 @@ def _run_checkpoint(
     with user_hooks if user_hooks is not None else nullcontext():
         token = inputs_of_var.set(name)
         try:
-            return torch_checkpoint.checkpoint(
+            out = torch_checkpoint.checkpoint(
                 body,
                 *args,
                 use_reentrant=False,
@@ -223,6 +227,16 @@ def _run_checkpoint(
             )
         finally:
             inputs_of_var.reset(token)
+    _link_to_graph(record, out)
+    return out
+
+
+def _link_to_graph(record: CheckpointRecord, out: Any) -> None:
+    """Let graph walks (reports) find the record from the output nodes, weakly."""
+    ref = weakref.ref(record)
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.grad_fn.metadata.setdefault(RECORDS_METADATA_KEY, []).append(ref)
 
 
 def _entry(t: torch.Tensor, name: str | None) -> SavedEntry:
