@@ -1,0 +1,3 @@
+from remat_dist.cli.main import main
+
+raise SystemExit(main())

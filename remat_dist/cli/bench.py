@@ -1,0 +1,381 @@
+"""``python -m remat_dist bench``: memory and time side by side with the alternatives.
+
+Single process, on the reference GPT stack. Every variant runs in the same process,
+interleaved (one iteration of each in turn), and the table reports medians after
+warm-up as ratios to no checkpointing and to ``torch.utils.checkpoint``: this machine
+is noisy, absolute times vary, ratios measured in one run do not.
+
+Per variant:
+- ``saved_bytes``: what backward will need after forward (unique storages seen by an
+  outermost ``remat_dist.saved_tensors_hooks``, which also sees checkpoint inputs,
+  save-region saves and persisted outputs; parameters excluded);
+- ``live_after_forward_bytes``: activation bytes alive right after forward, measured
+  independently of hooks (selective checkpointing keeps its saves where hooks cannot
+  see them: read this column for it);
+- ``peak_bytes``: peak of live tensor bytes over one forward+backward, in a separate
+  untimed pass (CUDA: the allocator's peak; CPU: torch's ``MemTracker``);
+- ``time_ms``: median forward+backward time;
+- ``x_none`` / ``x_torch``: time ratios to no checkpointing / torch.utils.checkpoint;
+- ``recompute_eff``: extra time over no checkpointing divided by the time of one
+  forward of the part that is recomputed (1.0 is the limit; above it is overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+
+import remat_dist as remat
+from remat_dist.models import GPT, GPTConfig, make_batch
+
+__all__ = ["BenchConfig", "main", "run_single_process"]
+
+
+@dataclass
+class BenchConfig:
+    """One single-process benchmark size."""
+
+    batch: int = 8
+    """Sequences per step."""
+    seq: int = 256
+    """Tokens per sequence."""
+    dims: tuple[int, ...] = (512, 64)
+    """Model widths to run (512: compute-bound; 64: Python-overhead-bound)."""
+    heads: int = 8
+    """Attention heads."""
+    layers: int = 4
+    """Transformer blocks."""
+    iters: int = 10
+    """Timed iterations per variant (medians are reported)."""
+    warmup: int = 2
+    """Untimed iterations per variant first."""
+    threads: int = 0
+    """torch.set_num_threads (0: leave as is)."""
+    variants: tuple[str, ...] = field(default_factory=lambda: tuple(VARIANTS))
+    """Which variants to run (default: all available)."""
+
+
+def _attention_kept(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    attn = remat.region(block.attention, "attention", recompute=False)(block.ln1(x))
+    remat.recompute_needs_tensor(attn)
+    x = x + attn
+    return x + block.mlp(block.ln2(x))
+
+
+def _sac_context() -> Any:
+    aten = torch.ops.aten
+    keep = [aten.mm.default, aten.addmm.default, aten.bmm.default]
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        op = getattr(aten, name, None)
+        if op is not None:
+            keep.append(op.default)
+    return tuc.create_selective_checkpoint_contexts(keep)
+
+
+Runner = Callable[[torch.nn.Module, torch.Tensor, str], torch.Tensor]
+
+
+def _runner_none() -> Runner | None:
+    return None
+
+
+def _runner_torch() -> Runner:
+    return lambda block, x, name: tuc.checkpoint(block, x, use_reentrant=False)
+
+
+def _runner_sac() -> Runner:
+    return lambda block, x, name: tuc.checkpoint(
+        block, x, use_reentrant=False, context_fn=_sac_context
+    )
+
+
+def _runner_remat_full() -> Runner:
+    return lambda block, x, name: remat.checkpoint(region_name=name)(block)(x)
+
+
+def _runner_remat_attention() -> Runner:
+    return lambda block, x, name: remat.checkpoint(region_name=name)(_attention_kept)(
+        block, x
+    )
+
+
+def _runner_scope() -> Runner:
+    def run(block: torch.nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+        with remat.gradient_checkpoint_scope():
+            return block(x)
+
+    return run
+
+
+def _runner_torch_remat(keep_attention: bool) -> Runner:
+    import torch_remat  # optional comparison, never a dependency
+
+    def kept(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        attn = torch_remat.region(block.attention, "attention", recompute=False)(
+            block.ln1(x)
+        )
+        torch_remat.recompute_needs_tensor(attn)
+        x = x + attn
+        return x + block.mlp(block.ln2(x))
+
+    if keep_attention:
+        return lambda block, x, name: torch_remat.checkpoint(region_name=name)(kept)(
+            block, x
+        )
+    return lambda block, x, name: torch_remat.checkpoint(region_name=name)(block)(x)
+
+
+VARIANTS: dict[str, Callable[[], Runner | None]] = {
+    "none": _runner_none,
+    "torch.utils.checkpoint": _runner_torch,
+    "selective (save matmuls)": _runner_sac,
+    "remat_dist full": _runner_remat_full,
+    "remat_dist attention kept": _runner_remat_attention,
+}
+if hasattr(remat, "gradient_checkpoint_scope"):
+    VARIANTS["remat_dist scope per block"] = _runner_scope
+if importlib.util.find_spec("torch_remat") is not None:
+    VARIANTS["torch_remat full"] = functools.partial(_runner_torch_remat, False)
+    VARIANTS["torch_remat attention kept"] = functools.partial(
+        _runner_torch_remat, True
+    )
+
+_RECOMPUTED = {
+    "none": None,
+    "torch.utils.checkpoint": "blocks",
+    "selective (save matmuls)": None,
+    "remat_dist full": "blocks",
+    "remat_dist attention kept": "blocks-attention",
+    "remat_dist scope per block": "blocks",
+    "torch_remat full": "blocks",
+    "torch_remat attention kept": "blocks-attention",
+}
+
+
+def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with remat.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(tokens, targets)
+    total = sum(storages.values())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """Peak bytes over one step, and bytes live right after forward (activations
+    only: parameters and gradients excluded), in an untimed pass."""
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model.loss(tokens, targets)
+        live = torch.cuda.memory_allocated() - base
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        model.zero_grad(set_to_none=True)
+        return {"peak_bytes": peak, "live_after_forward_bytes": live}
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except ImportError:
+        return {"peak_bytes": None, "live_after_forward_bytes": None}
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss = model.loss(tokens, targets)
+        now = tracker.get_tracker_snapshot("current")
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak")
+    live = sum(
+        v["Total"] - v.get(_MemRefType.PARAM, 0) - v.get(_MemRefType.GRAD, 0)
+        for v in now.values()
+    )
+    return {
+        "peak_bytes": int(sum(v.get("Total", 0) for v in peak.values())),
+        "live_after_forward_bytes": int(live),
+    }
+
+
+def _forward_times(model: GPT, tokens: torch.Tensor, iters: int) -> dict[str, float]:
+    """Median no-grad forward time of all blocks, and of all attention calls."""
+    x0 = (model.tok_emb(tokens) + model.pos_emb(torch.arange(tokens.shape[1]))).detach()
+    blocks, attns = [], []
+    with torch.no_grad():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            x = x0
+            for b in model.layers:
+                x = b(x)
+            blocks.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for b in model.layers:
+                b.attention(x0)
+            attns.append(time.perf_counter() - t0)
+    return {"blocks": statistics.median(blocks), "attention": statistics.median(attns)}
+
+
+def run_single_process(cfg: BenchConfig, dim: int) -> list[dict[str, Any]]:
+    """All variants at width ``dim``; one row (dict) per variant."""
+    gcfg = GPTConfig(
+        vocab_size=256,
+        seq_len=cfg.seq,
+        dim=dim,
+        n_heads=cfg.heads if dim % cfg.heads == 0 else 1,
+        n_layers=cfg.layers,
+    )
+    model = GPT(gcfg)
+    tokens, targets = make_batch(gcfg, cfg.batch, seed=0)
+    names = [v for v in cfg.variants if v in VARIANTS]
+    runners = {name: VARIANTS[name]() for name in names}
+
+    def step(name: str) -> float:
+        model.block_runner = runners[name]
+        t0 = time.perf_counter()
+        model.loss(tokens, targets).backward()
+        elapsed = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    for _ in range(cfg.warmup):
+        for name in names:
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(cfg.iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            times[name].append(step(name))
+    fwd = _forward_times(model, tokens, max(3, cfg.iters // 2))
+    med = {name: statistics.median(v) for name, v in times.items()}
+    rows = []
+    for name in names:
+        model.block_runner = runners[name]
+        saved = _saved_bytes(model, tokens, targets)
+        memory = _memory(model, tokens, targets)
+        part = _RECOMPUTED.get(name)
+        recomputed = {
+            None: None,
+            "blocks": fwd["blocks"],
+            "blocks-attention": fwd["blocks"] - fwd["attention"],
+        }[part]
+        extra = med[name] - med.get("none", float("nan"))
+        rows.append(
+            {
+                "dim": dim,
+                "variant": name,
+                "saved_bytes": saved,
+                **memory,
+                "time_ms": med[name] * 1e3,
+                "x_none": med[name] / med["none"] if "none" in med else None,
+                "x_torch": (
+                    med[name] / med["torch.utils.checkpoint"]
+                    if "torch.utils.checkpoint" in med
+                    else None
+                ),
+                "recompute_eff": extra / recomputed if recomputed else None,
+            }
+        )
+    model.block_runner = None
+    return rows
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:9.2f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "    -" if x is None else f"{x:5.3f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table of benchmark rows."""
+    head = (
+        f"{'dim':>4}  {'variant':<28} {'saved MiB':>9} {'live MiB':>9} {'peak MiB':>9} "
+        f"{'time ms':>9} {'x none':>6} {'x torch':>7} {'recomp eff':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['dim']:>4}  {r['variant']:<28} {_mib(r['saved_bytes'])} "
+            f"{_mib(r['live_after_forward_bytes'])} {_mib(r['peak_bytes'])} {r['time_ms']:9.2f} {_ratio(r['x_none']):>6} "
+            f"{_ratio(r['x_torch']):>7} {_ratio(r['recompute_eff']):>10}"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m remat_dist bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--batch", type=int, default=BenchConfig.batch)
+    parser.add_argument("--seq", type=int, default=BenchConfig.seq)
+    parser.add_argument("--dims", type=int, nargs="+", default=list(BenchConfig.dims))
+    parser.add_argument("--layers", type=int, default=BenchConfig.layers)
+    parser.add_argument("--heads", type=int, default=BenchConfig.heads)
+    parser.add_argument("--iters", type=int, default=BenchConfig.iters)
+    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--variants", nargs="+", default=None, help="subset to run")
+    parser.add_argument("--json", default=None, help="write results to this path")
+    args = parser.parse_args(argv)
+    cfg = BenchConfig(
+        batch=args.batch,
+        seq=args.seq,
+        dims=tuple(args.dims),
+        heads=args.heads,
+        layers=args.layers,
+        iters=args.iters,
+        warmup=args.warmup,
+        threads=args.threads,
+        variants=tuple(args.variants) if args.variants else tuple(VARIANTS),
+    )
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rows: list[dict[str, Any]] = []
+    for dim in cfg.dims:
+        rows += run_single_process(cfg, dim)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"config": asdict(cfg), "environment": environment(), "rows": rows},
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    return 0
