@@ -20,6 +20,13 @@ from remat_dist.core import (
     save_for_backward,
     saved_tensors_hooks,
 )
+from remat_dist.distributed import (
+    CPURNGStateHook,
+    DeviceRNGStateHook,
+    DTensorRNGStateHook,
+    GeneratorStateHook,
+    default_state_hooks,
+)
 from remat_dist.errors import (
     CollectiveReplayError,
     PlaceholderAccessError,
@@ -31,6 +38,11 @@ from remat_dist.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPURNGStateHook",
+    "DTensorRNGStateHook",
+    "DeviceRNGStateHook",
+    "GeneratorStateHook",
+    "default_state_hooks",
     "CollectiveReplayError",
     "PlaceholderAccessError",
     "PlanMismatchError",

@@ -39,7 +39,9 @@ from remat_dist.core._record import (
     PersistedOutput,
     RegionRecord,
     SavedEntry,
+    plain,
     storage_key,
+    storage_nbytes,
     tensor_meta,
 )
 from remat_dist.core._state import frame_var, name_prefix_var
@@ -240,15 +242,16 @@ def _link_to_graph(record: CheckpointRecord, out: Any) -> None:
 
 
 def _entry(t: torch.Tensor, name: str | None) -> SavedEntry:
-    storage = t.untyped_storage()
+    local = plain(t)
+    storage = local.untyped_storage()
     return SavedEntry(
         name=name,
         shape=tuple(t.shape),
         dtype=t.dtype,
-        device=t.device,
-        storage=(t.device, storage.data_ptr()),
+        device=local.device,
+        storage=(local.device, storage.data_ptr()),
         storage_nbytes=storage.nbytes(),
-        nbytes=t.numel() * t.element_size(),
+        nbytes=local.numel() * local.element_size(),
         is_parameter=isinstance(t, torch.nn.Parameter),
         packed_by_user_hook=False,
     )
@@ -562,7 +565,7 @@ def _persist_if_produced(record: CheckpointRecord, t: torch.Tensor) -> None:
             "(y = out.clone(); y.add_(...)) or modify it inside the region."
         )
     user = innermost_hooks()
-    nbytes = out.untyped_storage().nbytes()
+    nbytes = storage_nbytes(out)
     if user is None:
         rr.persisted[j] = PersistedOutput(out.detach(), None, out._version, nbytes, False)
     else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from remat_dist.core._record import storage_key
 from remat_dist.core._state import hooks_var
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
 from remat_dist.errors import RematUsageError
@@ -41,7 +42,7 @@ _pending_names: ContextVar[dict[tuple[Any, ...], str] | None] = ContextVar(
 
 
 def _name_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)
+    return (*storage_key(t), t.storage_offset(), t.shape)
 
 
 def saved_name(t: torch.Tensor) -> str | None:
