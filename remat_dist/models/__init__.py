@@ -1,1 +1,21 @@
+"""Reference models used by tests, benchmarks and the launchers."""
 
+from remat_dist.models.gpt import (
+    GPT,
+    MLP,
+    Attention,
+    Block,
+    GPTConfig,
+    block_tp_plan,
+    make_batch,
+)
+
+__all__ = [
+    "GPT",
+    "MLP",
+    "Attention",
+    "Block",
+    "GPTConfig",
+    "block_tp_plan",
+    "make_batch",
+]
