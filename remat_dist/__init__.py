@@ -34,10 +34,40 @@ from remat_dist.errors import (
     RematError,
     RematUsageError,
 )
+from remat_dist.report import (
+    CrossRankReport,
+    attach_oom_observer,
+    collect_trace,
+    discover_autograd_roots,
+    format_current_memory_report,
+    format_oom_saved_tensors_report,
+    format_saved_tensors_report,
+    gather_saved_tensors_report,
+    memory_snapshot_annotate,
+    oom_observer,
+    print_current_memory_report,
+    print_saved_tensors_report,
+    saved_tensors_summary,
+    trace_scope,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossRankReport",
+    "attach_oom_observer",
+    "collect_trace",
+    "discover_autograd_roots",
+    "format_current_memory_report",
+    "format_oom_saved_tensors_report",
+    "format_saved_tensors_report",
+    "gather_saved_tensors_report",
+    "memory_snapshot_annotate",
+    "oom_observer",
+    "print_current_memory_report",
+    "print_saved_tensors_report",
+    "saved_tensors_summary",
+    "trace_scope",
     "CPURNGStateHook",
     "DTensorRNGStateHook",
     "DeviceRNGStateHook",

@@ -355,6 +355,8 @@ class _RegionCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         record = frame_var.get()
         if record is None:
+            if _record._observers:
+                return _region_plain(self, args, kwargs)
             return self.fn(*args, **kwargs)
         if record.replaying:
             return _region_replay(record, self, args, kwargs)
@@ -386,6 +388,18 @@ def region(fn: Callable[..., Any], name: str, *, recompute: bool) -> Callable[..
             f"or False, got {recompute!r} ({type(recompute).__name__})."
         )
     return _RegionCall(fn, name, recompute)
+
+
+def _region_plain(call: _RegionCall, args: tuple[Any, ...], kwargs: dict) -> Any:
+    """A region outside any checkpoint: a plain call, announced to observers
+    (traces) with ``record=None``."""
+    local = name_prefix_var.get() + call.name
+    rr = RegionRecord(local, local, call.recompute, -1, None, False)
+    _record.notify("on_region_start", None, rr, False)
+    try:
+        return call.fn(*args, **kwargs)
+    finally:
+        _record.notify("on_region_end", None, rr, False)
 
 
 def _qualified(record: CheckpointRecord, name: str) -> tuple[str, str]:

@@ -226,7 +226,8 @@ class CheckpointObserver(Protocol):
     """Notified at phase and region boundaries of every checkpoint.
 
     Methods may be left out; only those present are called. ``replay`` is False on
-    forward. Observers must not raise except to report a real error (the error then
+    forward. A region called outside any checkpoint (a plain call) is announced
+    with ``record=None``. Observers must not raise except to report a real error (the error then
     propagates to the user's forward or backward).
     """
 
@@ -237,11 +238,11 @@ class CheckpointObserver(Protocol):
     ) -> None: ...
 
     def on_region_start(
-        self, record: CheckpointRecord, region: RegionRecord, replay: bool
+        self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
     ) -> None: ...
 
     def on_region_end(
-        self, record: CheckpointRecord, region: RegionRecord, replay: bool
+        self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
     ) -> None: ...
 
 

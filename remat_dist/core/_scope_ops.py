@@ -150,7 +150,7 @@ def apply_autocast(state: tuple[Any, ...] | None) -> None:
         for d in _AC_DEVICES:
             torch.set_autocast_enabled(d, False)
         return
-    for d, (enabled, dtype) in zip(_AC_DEVICES, state):
+    for d, (enabled, dtype) in zip(_AC_DEVICES, state, strict=True):
         torch.set_autocast_dtype(d, dtype)
         torch.set_autocast_enabled(d, enabled)
 

@@ -216,7 +216,10 @@ class _Handle:
         self.writes = writes
 
     def __del__(self) -> None:
-        self.record._release(self.base)
+        try:
+            self.record._release(self.base)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 class _Delegated:
@@ -283,6 +286,7 @@ class ScopeRecord:
         self._ext_snapshots: dict[tuple[int, int], torch.Tensor] = {}
         self._cache: dict[int, dict[int, list[Any]]] = {}
         self.rng_bytes = 0
+        self.replays = 0
         self.alive_swapped = 0
         self.total_handles = 0
         self.unpacked_any = False
@@ -298,9 +302,11 @@ class ScopeRecord:
     # --- introspection -----------------------------------------------------------
 
     def kept_bytes(self) -> int:
-        """Bytes this record keeps alive for replay: RNG snapshots, copies of
-        outside tensors the scope wrote in place, and the outside tensors it read
-        (each storage once). Zero once closed. Never includes a tensor the scope
+        """Bytes this record keeps alive for replay that nothing else needs: RNG
+        snapshots, copies of outside tensors the scope wrote in place, and the
+        non-leaf outside tensors it read (activations; each storage once). Leaf
+        inputs such as parameters are alive anyway and are reported apart in
+        :meth:`stats`. Zero once closed. Never includes a tensor the scope
         produced: those are not kept."""
         s = self.stats()
         return s["state_bytes"] + s["input_bytes"]
@@ -309,35 +315,50 @@ class ScopeRecord:
         """A JSON-friendly breakdown of what the record holds.
 
         Keys: ``ops`` (recorded operators), ``bases`` (storages the scope
-        allocated), ``inputs`` and ``input_bytes`` (outside tensors read, by unique
-        storage), ``rng_state_bytes``, ``snapshot_bytes`` (copies of outside tensors
-        the scope wrote in place), ``state_bytes`` (their sum), ``cached_bytes``
-        (replayed tensors held for the backward pass running now), ``handles``
-        (saved-tensor handles alive), ``open``.
+        allocated), ``inputs`` / ``input_bytes`` (non-leaf outside tensors read, by
+        unique storage), ``leaf_inputs`` / ``leaf_input_bytes`` (leaf outside tensors,
+        e.g. parameters), ``rng_state_bytes``, ``snapshot_bytes`` (copies of outside
+        tensors the scope wrote in place), ``state_bytes`` (their sum),
+        ``cached_bytes`` (replayed tensors held for a backward pass running now),
+        ``handles`` (saved-tensor handles alive), ``replays`` (replays run so far),
+        ``open``.
         """
         with self.lock:
-            storages: dict[int, int] = {}
+            sizes: dict[int, int] = {}
+            leafish: dict[int, bool] = {}
             for op in self.ops:
                 for ref in _iter_ext(op.args, op.kwargs):
-                    key = _storage_key(ref.tensor)
-                    if key is not None and key not in storages:
-                        storages[key] = _nbytes(ref.tensor)
-            snap = sum(t.untyped_storage().nbytes() for t in self._ext_snapshots.values())
+                    t = ref.tensor
+                    key = _storage_key(t)
+                    if key is None:
+                        continue
+                    with torch._C.DisableTorchFunctionSubclass():
+                        base = t._base
+                        leaf = t.is_leaf or (base is not None and base.is_leaf)
+                        sizes[key] = t.untyped_storage().nbytes()
+                    leafish[key] = leafish.get(key, False) or leaf
+            inputs = {k: n for k, n in sizes.items() if not leafish[k]}
+            leaves = {k: n for k, n in sizes.items() if leafish[k]}
+            snap = sum(
+                t.untyped_storage().nbytes() for t in self._ext_snapshots.values()
+            )
             cached = 0
             for cache in self._cache.values():
                 for entry in cache.values():
                     cached += entry[0].untyped_storage().nbytes()
-            rng = self.rng_bytes if not self.closed else 0
             return {
                 "ops": len(self.ops),
                 "bases": len(self.bases),
-                "inputs": len(storages),
-                "input_bytes": sum(storages.values()),
-                "rng_state_bytes": rng,
+                "inputs": len(inputs),
+                "input_bytes": sum(inputs.values()),
+                "leaf_inputs": len(leaves),
+                "leaf_input_bytes": sum(leaves.values()),
+                "rng_state_bytes": self.rng_bytes,
                 "snapshot_bytes": snap,
-                "state_bytes": rng + snap,
+                "state_bytes": self.rng_bytes + snap,
                 "cached_bytes": cached,
                 "handles": self.total_handles,
+                "replays": self.replays,
                 "open": not self.closed,
             }
 
@@ -618,6 +639,7 @@ class ScopeRecord:
         Returns the replayed root tensor of ``target`` and of every other base that
         reached its final value in this replay and still has saved handles.
         """
+        self.replays += 1
         ops = self.ops
         base = self.bases[target]
         need: set[int] = set()
@@ -729,11 +751,6 @@ def _iter_ext(args: tuple[Any, ...], kwargs: dict[str, Any]):
             for x in a.items:
                 if type(x) is _ExtRef:
                     yield x
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.untyped_storage().nbytes()
 
 
 # --- the pack/unpack pair --------------------------------------------------------

@@ -1,0 +1,402 @@
+"""The cross-rank saved-tensor report: per-rank summaries gathered to one rank.
+
+Each rank builds its :func:`saved_tensors_summary`; one ``gather_object`` brings
+them to ``dst``, where :func:`aggregate_summaries` (a pure function, testable
+without processes) turns them into a :class:`CrossRankReport`: per region the
+bytes on every rank with min / median / max, the heaviest rank and the imbalance
+(max / mean), and the same for the per-rank totals.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from remat_dist.report._format import compress_ints, compress_names, format_bytes, table
+
+__all__ = [
+    "CrossRankReport",
+    "RankTotals",
+    "RegionStats",
+    "Stats",
+    "aggregate_summaries",
+    "gather_saved_tensors_report",
+]
+
+MAX_RANK_LINES = 8
+"""Above this many distinct rank lines, the format shows the heaviest and lightest."""
+MAX_REGION_LINES = 12
+"""Above this many region lines, the format shows the heaviest (by max bytes)."""
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """min / median / max of one quantity over the ranks, the rank holding the max
+    (the lowest such rank) and the imbalance max / mean (1.0 when all are 0)."""
+
+    min: int | float
+    median: int | float
+    max: int | float
+    max_rank: int
+    imbalance: float
+
+    @classmethod
+    def of(cls, values: Sequence[int | float], ranks: Sequence[int]) -> Stats:
+        if not values:
+            return cls(0, 0, 0, -1, 1.0)
+        top = max(values)
+        mean = sum(values) / len(values)
+        return cls(
+            min=_number(min(values)),
+            median=_number(statistics.median(values)),
+            max=_number(top),
+            max_rank=ranks[list(values).index(top)],
+            imbalance=float(top / mean) if mean else 1.0,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "min": self.min,
+            "median": self.median,
+            "max": self.max,
+            "max_rank": self.max_rank,
+            "imbalance": self.imbalance,
+        }
+
+
+@dataclass(frozen=True)
+class RankTotals:
+    """One rank's totals (``total == regions + inputs + outside``)."""
+
+    rank: int
+    total_bytes: int
+    outside_regions_bytes: int
+    checkpoint_input_bytes: int
+
+    @property
+    def regions_bytes(self) -> int:
+        return (
+            self.total_bytes - self.outside_regions_bytes - self.checkpoint_input_bytes
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "total_bytes": self.total_bytes,
+            "outside_regions_bytes": self.outside_regions_bytes,
+            "checkpoint_input_bytes": self.checkpoint_input_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class RegionStats:
+    """One region (checkpoint ``region_name``): its bytes on each rank, in the order
+    of :attr:`CrossRankReport.ranks`, and their statistics."""
+
+    name: str
+    bytes: tuple[int, ...]
+    stats: Stats
+
+    @property
+    def min(self) -> int | float:
+        return self.stats.min
+
+    @property
+    def median(self) -> int | float:
+        return self.stats.median
+
+    @property
+    def max(self) -> int | float:
+        return self.stats.max
+
+    @property
+    def max_rank(self) -> int:
+        return self.stats.max_rank
+
+    @property
+    def imbalance(self) -> float:
+        return self.stats.imbalance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": list(self.bytes), **self.stats.to_dict()}
+
+
+@dataclass(frozen=True)
+class CrossRankReport:
+    """Saved-for-backward bytes across ranks (see module doc).
+
+    Attributes:
+        world_size: number of ranks gathered.
+        ranks: per-rank totals, sorted by rank.
+        regions: per-region bytes on each rank, in forward order.
+        totals: statistics of the per-rank ``total_bytes``.
+    """
+
+    world_size: int
+    ranks: tuple[RankTotals, ...]
+    regions: tuple[RegionStats, ...]
+    totals: Stats
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; the keys are stable (added to, never renamed)."""
+        return {
+            "world_size": self.world_size,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "regions": [r.to_dict() for r in self.regions],
+            "totals": self.totals.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CrossRankReport:
+        """Inverse of :meth:`to_dict` (unknown keys are ignored)."""
+        ranks = tuple(
+            RankTotals(
+                rank=int(r["rank"]),
+                total_bytes=int(r["total_bytes"]),
+                outside_regions_bytes=int(r["outside_regions_bytes"]),
+                checkpoint_input_bytes=int(r["checkpoint_input_bytes"]),
+            )
+            for r in d["ranks"]
+        )
+        regions = tuple(
+            RegionStats(
+                name=str(r["name"]),
+                bytes=tuple(int(b) for b in r["bytes"]),
+                stats=_stats_from(r),
+            )
+            for r in d["regions"]
+        )
+        return cls(int(d["world_size"]), ranks, regions, _stats_from(d["totals"]))
+
+    # -- text ------------------------------------------------------------------------
+    def format(self) -> str:
+        """A few lines that say, at a glance, how the ranks compare.
+
+        Ranks with the same numbers are collapsed (``ranks 0-3,5``); the heaviest
+        rank is marked; regions with the same bytes on every rank are grouped
+        (``x4 layers.0-3``).
+        """
+        t = self.totals
+        lines = [
+            f"saved for backward across {self.world_size} ranks: max "
+            f"{format_bytes(t.max)} on rank {t.max_rank}, median {format_bytes(t.median)}, "
+            f"min {format_bytes(t.min)}, imbalance {t.imbalance:.2f} (max/mean)",
+            "",
+            "per rank: total = regions + checkpoint inputs + outside regions",
+        ]
+        lines += self._rank_lines()
+        if self.regions:
+            lines += ["", "per region: bytes on each rank"]
+            lines += self._region_lines()
+        return "\n".join(lines)
+
+    def _rank_lines(self) -> list[str]:
+        groups: dict[tuple[int, int, int], list[RankTotals]] = {}
+        for r in self.ranks:
+            key = (r.total_bytes, r.checkpoint_input_bytes, r.outside_regions_bytes)
+            groups.setdefault(key, []).append(r)
+        heaviest = self.totals.max_rank
+        ordered = list(groups.values())
+        hidden: list[list[RankTotals]] = []
+        if len(ordered) > MAX_RANK_LINES:
+            by_weight = sorted(ordered, key=lambda g: -g[0].total_bytes)
+            hidden = by_weight[MAX_RANK_LINES - 2 : -1]
+            ordered = by_weight[: MAX_RANK_LINES - 2] + [by_weight[-1]]
+        rows = []
+        for g in ordered:
+            r = g[0]
+            ranks = [m.rank for m in g]
+            who = _who(ranks) + ":"
+            mark = "<- heaviest" if heaviest in ranks else ""
+            rows.append(
+                [
+                    who,
+                    format_bytes(r.total_bytes),
+                    f"= {format_bytes(r.regions_bytes)} + {format_bytes(r.checkpoint_input_bytes)}"
+                    f" + {format_bytes(r.outside_regions_bytes)}",
+                    mark,
+                ]
+            )
+        lines = table(rows, indent="  ", right=(1,))
+        if hidden:
+            n = sum(len(g) for g in hidden)
+            low = min(g[0].total_bytes for g in hidden)
+            high = max(g[0].total_bytes for g in hidden)
+            lines.insert(
+                len(lines) - 1,
+                f"  ... {n} more rank(s) in {len(hidden)} group(s), "
+                f"{format_bytes(low)} to {format_bytes(high)}",
+            )
+        return lines
+
+    def _region_lines(self) -> list[str]:
+        groups: dict[tuple[int, ...], list[RegionStats]] = {}
+        for region in self.regions:
+            groups.setdefault(region.bytes, []).append(region)
+        rank_ids = [r.rank for r in self.ranks]
+        shown = list(groups.values())
+        hidden = 0
+        if len(shown) > MAX_REGION_LINES:
+            keep = sorted(shown, key=lambda m: -m[0].stats.max)[: MAX_REGION_LINES - 1]
+            hidden = sum(len(m) for m in shown if not any(m is k for k in keep))
+            shown = [m for m in shown if any(m is k for k in keep)]
+        rows = []
+        for members in shown:
+            s = members[0].stats
+            names = compress_names([m.name for m in members])
+            label = f"x{len(members)} {names}" if len(members) > 1 else names
+            if s.min == s.max:
+                spread = f"{format_bytes(s.max)} on every rank"
+                detail = ""
+            else:
+                spread = (
+                    f"min {format_bytes(s.min)}, median {format_bytes(s.median)}, max "
+                    f"{format_bytes(s.max)} (rank {s.max_rank}), imbalance {s.imbalance:.2f}"
+                )
+                detail = _value_ranges(members[0].bytes, rank_ids)
+            if len(members) > 1:
+                label += " (each)"
+            rows.append([label, spread, detail])
+        lines = table(rows, indent="  ")
+        if hidden:
+            lines.append(f"  ... {hidden} lighter region(s)")
+        return lines
+
+
+def _who(ranks: Sequence[int], width: int = 40) -> str:
+    """``rank 3`` / ``ranks 0-3,5``; a list too long for a glance is cut and
+    counted (``ranks 0-2,4-5,...(43 ranks)``)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    text = compress_ints(ranks)
+    if len(text) > width:
+        cut = text.rfind(",", 0, width)
+        text = f"{text[: cut if cut > 0 else width]},...({len(ranks)} ranks)"
+    return f"ranks {text}"
+
+
+def _value_ranges(values: Sequence[int], ranks: Sequence[int], limit: int = 4) -> str:
+    by_value: dict[int, list[int]] = {}
+    for v, r in zip(values, ranks, strict=True):
+        by_value.setdefault(v, []).append(r)
+    if len(by_value) > limit:
+        return ""
+    parts = []
+    for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0]):
+        parts.append(f"{_who(rs)}: {format_bytes(v)}")
+    return "(" + "; ".join(parts) + ")"
+
+
+def _stats_from(d: Mapping[str, Any]) -> Stats:
+    return Stats(
+        min=_number(d["min"]),
+        median=_number(d["median"]),
+        max=_number(d["max"]),
+        max_rank=int(d["max_rank"]),
+        imbalance=float(d["imbalance"]),
+    )
+
+
+def aggregate_summaries(summaries: Sequence[Mapping[str, Any]]) -> CrossRankReport:
+    """Build the cross-rank report from per-rank summaries (a pure function).
+
+    Each summary is a :func:`saved_tensors_summary` dict plus ``"rank"`` (missing:
+    its position). Regions are matched by name; a region a rank does not have
+    counts 0 there. Region order: first appearance, scanning ranks in order.
+    """
+    items = sorted(
+        ((int(s.get("rank", i)), s) for i, s in enumerate(summaries)),
+        key=lambda x: x[0],
+    )
+    ranks = tuple(
+        RankTotals(
+            rank=r,
+            total_bytes=int(s["total_bytes"]),
+            outside_regions_bytes=int(s.get("outside_regions_bytes", 0)),
+            checkpoint_input_bytes=int(s.get("checkpoint_input_bytes", 0)),
+        )
+        for r, s in items
+    )
+    rank_ids = [r.rank for r in ranks]
+    names: list[str] = []
+    per_rank: list[dict[str, int]] = []
+    for _, s in items:
+        mine: dict[str, int] = {}
+        for region in s.get("regions", ()):
+            name = str(region["name"])
+            if name not in mine and name not in names:
+                names.append(name)
+            mine[name] = mine.get(name, 0) + int(region["bytes"])
+        per_rank.append(mine)
+    regions = []
+    for name in names:
+        values = tuple(m.get(name, 0) for m in per_rank)
+        regions.append(RegionStats(name, values, Stats.of(values, rank_ids)))
+    totals = Stats.of([r.total_bytes for r in ranks], rank_ids)
+    return CrossRankReport(len(ranks), ranks, tuple(regions), totals)
+
+
+def _object_device_context(group: Any) -> Any:
+    """Make ``gather_object`` work on NCCL, which sends the pickled objects as CUDA
+    tensors on the *current* device: when nothing set it (every rank on cuda:0),
+    use the group's bound device, else ``LOCAL_RANK``, for the duration of the
+    call only."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:
+        return nullcontext()
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return nullcontext()
+    pg = group if group is not None else dist.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is not None and bound.type == "cuda":
+        return torch.cuda.device(bound)
+    if torch.cuda.current_device() != 0:
+        return nullcontext()  # the user set a device: trust it
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        index = int(local)
+    else:
+        index = dist.get_rank() % max(torch.cuda.device_count(), 1)
+    return torch.cuda.device(index)
+
+
+def gather_saved_tensors_report(
+    *roots: Any, group: Any = None, dst: int = 0
+) -> CrossRankReport | None:
+    """Gather every rank's saved-tensor summary to ``dst`` and aggregate it there.
+
+    A collective: call it on every rank of ``group`` (default: the world) after
+    forward, with this rank's roots (its loss). ``dst`` is a global rank. Returns
+    the :class:`CrossRankReport` on ``dst`` and None elsewhere. Works on gloo and
+    NCCL (see :func:`_object_device_context`). Without an initialised process
+    group it reports this process alone.
+    """
+    import torch.distributed as dist
+
+    from remat_dist.report._saved import saved_tensors_summary
+
+    summary = saved_tensors_summary(*roots)
+    if not (dist.is_available() and dist.is_initialized()):
+        summary["rank"] = 0
+        return aggregate_summaries([summary])
+    summary["rank"] = dist.get_rank()
+    me = dist.get_rank()
+    size = dist.get_world_size(group)
+    gathered: list[Any] | None = [None] * size if me == dst else None
+    with _object_device_context(group):
+        dist.gather_object(summary, gathered, dst=dst, group=group)
+    if gathered is None:
+        return None
+    return aggregate_summaries(gathered)

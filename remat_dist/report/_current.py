@@ -1,0 +1,69 @@
+"""``format_current_memory_report``: what the running checkpoint holds right now.
+
+Call it from inside a checkpointed function on forward (guard it with
+``if not remat_dist.is_recomputing():``) to see, per save region so far, the
+storages kept for backward, named by ``save_for_backward`` names where given, each
+storage counted once however many views of it were saved::
+
+    layers.0: 28 B resident in 2 storage(s)
+    layers.0::attn.softmax: 28 B
+      12 B  lse    (3,)  float32
+      16 B  probs  (4,)  float32
+    layers.0 inputs: 48 B in 1 storage (kept so that replay can start)
+      48 B  input 0  (3, 4)  float32
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO
+
+from remat_dist.core._state import frame_var
+from remat_dist.report._accounting import (
+    Annotate,
+    Ledger,
+    breakdown_checkpoint,
+    format_checkpoint_detail,
+)
+
+__all__ = ["format_current_memory_report", "print_current_memory_report"]
+
+
+def format_current_memory_report(
+    *, annotate: Annotate | None = None, inputs: bool = True
+) -> str:
+    """The current checkpoint's saved storages, per save region (see module doc).
+
+    Outside a checkpoint this says so instead of failing, so a call left in a model
+    that also runs without checkpoints is harmless. During a replay it reports the
+    record of the forward (nothing new is kept on replay) and says so.
+
+    Args:
+        annotate: optional ``tensor -> label`` (e.g. :func:`memory_snapshot_annotate`)
+            for rows whose tensor the report can reach.
+        inputs: also list the checkpoint's inputs (they are kept too).
+    """
+    record = frame_var.get()
+    if record is None:
+        return (
+            "no checkpoint is running (format_current_memory_report reports the "
+            "checkpoint whose forward calls it)"
+        )
+    cp = breakdown_checkpoint(record, record.name, Ledger())
+    lines = format_checkpoint_detail(cp, annotate, inputs=inputs)
+    if record.replaying:
+        lines.insert(0, f"(replay of {record.name}: showing what its forward kept)")
+    return "\n".join(lines)
+
+
+def print_current_memory_report(
+    *,
+    annotate: Annotate | None = None,
+    inputs: bool = True,
+    file: IO[str] | None = None,
+) -> None:
+    """Print :func:`format_current_memory_report` (to stdout by default)."""
+    print(
+        format_current_memory_report(annotate=annotate, inputs=inputs),
+        file=file or sys.stdout,
+    )

@@ -1,0 +1,153 @@
+"""Print the saved-tensors report when CUDA runs out of memory.
+
+``attach_oom_observer()`` registers :func:`oom_observer` with the CUDA caching
+allocator (``torch._C._cuda_attach_out_of_memory_observer``). When an allocation
+fails, before the ``OutOfMemoryError`` is raised, it prints what backward is
+holding on to: the saved-tensors report of every live graph (found with
+:func:`discover_autograd_roots` unless roots are given), plus the checkpoint whose
+forward is running at that moment, which no root reaches yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+from remat_dist.report._accounting import Annotate
+from remat_dist.report._format import format_bytes
+
+__all__ = [
+    "OOMObserver",
+    "attach_oom_observer",
+    "format_oom_saved_tensors_report",
+    "oom_observer",
+]
+
+OOMObserver = Callable[[int, int, int, int], None]
+"""``(device, alloc, device_allocated, device_free) -> None``, the allocator's call."""
+
+
+def format_oom_saved_tensors_report(
+    device: int,
+    alloc: int,
+    device_allocated: int,
+    device_free: int,
+    *,
+    roots: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
+    annotate: Annotate | None = None,
+) -> str:
+    """The text :func:`oom_observer` prints: the failed request, then the reports."""
+    from remat_dist.core._state import frame_var
+    from remat_dist.report._current import format_current_memory_report
+    from remat_dist.report._roots import discover_autograd_roots
+    from remat_dist.report._saved import format_saved_tensors_report
+
+    lines = [
+        f"remat_dist: CUDA out of memory on device {device}: tried to allocate "
+        f"{format_bytes(alloc)} with {format_bytes(device_allocated)} allocated and "
+        f"{format_bytes(device_free)} free"
+    ]
+    if callable(roots):
+        found = list(roots())
+    elif roots is None:
+        found = discover_autograd_roots()
+    else:
+        found = list(roots)
+    if found:
+        lines.append(format_saved_tensors_report(*found, annotate=annotate))
+    else:
+        lines.append("no live autograd graph found")
+    if frame_var.get() is not None:
+        lines += ["", "checkpoint running when the allocation failed:"]
+        lines.append(format_current_memory_report(annotate=annotate))
+    return "\n".join(lines)
+
+
+def oom_observer(
+    roots: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
+    *,
+    annotate: Annotate | Callable[[], Annotate] | None = None,
+    file: IO[str] | None = None,
+) -> OOMObserver:
+    """An out-of-memory observer that prints the saved-tensors report.
+
+    Args:
+        roots: what to report on: a callable returning roots (called at OOM time,
+            so it can read e.g. a weak reference to the current loss), a fixed
+            iterable, or None to discover the live graphs with a ``gc`` pass.
+            Do not pass tensors you want freed: the observer would keep them alive.
+        annotate: a ``tensor -> label`` callable, or a zero-argument factory called
+            at OOM time (``memory_snapshot_annotate`` takes a snapshot when called,
+            so pass the function itself to label rows with allocation sites).
+        file: where to print (stderr by default).
+
+    The observer never raises: a failure while reporting is printed instead, so it
+    cannot hide the original out-of-memory error.
+    """
+    fixed = None if roots is None or callable(roots) else list(roots)
+
+    def observe(
+        device: int, alloc: int, device_allocated: int, device_free: int
+    ) -> None:
+        out = file or sys.stderr
+        try:
+            label = annotate
+            if label is not None and _is_factory(label):
+                label = label()  # type: ignore[call-arg]
+            text = format_oom_saved_tensors_report(
+                device,
+                alloc,
+                device_allocated,
+                device_free,
+                roots=roots if fixed is None else fixed,
+                annotate=label,  # type: ignore[arg-type]
+            )
+        except Exception as e:  # never mask the OOM itself
+            text = f"remat_dist: the OOM saved-tensors report failed: {e!r}"
+        print(text, file=out, flush=True)
+
+    return observe
+
+
+def _is_factory(fn: Any) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    required = [
+        p
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return not required
+
+
+def attach_oom_observer(
+    roots: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
+    *,
+    annotate: Annotate | Callable[[], Annotate] | None = None,
+    file: IO[str] | None = None,
+) -> OOMObserver | None:
+    """Register :func:`oom_observer` with the CUDA allocator; returns the observer.
+
+    Without CUDA this warns and returns None (a training script can call it
+    unconditionally). The allocator keeps observers for the life of the process.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.warn(
+            "remat_dist.attach_oom_observer: CUDA is not available; no observer "
+            "attached",
+            stacklevel=2,
+        )
+        return None
+    observer = oom_observer(roots, annotate=annotate, file=file)
+    torch.cuda.init()
+    torch._C._cuda_attach_out_of_memory_observer(observer)
+    return observer

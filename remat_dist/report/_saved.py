@@ -1,0 +1,329 @@
+"""``format_saved_tensors_report``: everything backward will need, after forward.
+
+From some roots (usually the loss) the report walks the autograd graph once and
+counts, per storage and each storage once:
+
+* per checkpoint (``region_name``), what its save regions keep: their saves and
+  the outputs kept so that replay can feed later code;
+* the checkpoints' inputs, which the checkpoint keeps so that replay can start
+  (``saved_tensors_hooks`` never sees them inside the checkpoint, and they are
+  often the largest cost);
+* what nodes outside every checkpoint save, per autograd node type.
+
+Tensors the checkpoint will recompute cost nothing until backward. A ``DTensor``
+counts its local shard. Parameters are not activations: they are excluded from
+the totals and shown on one line. Saves packed by a user pack hook are counted at
+the size the hook was given, and flagged (the hook decides where they live).
+
+Checkpoints that keep the same things are grouped: ``x4  layers.0-3``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+from remat_dist.report._accounting import (
+    Annotate,
+    CheckpointBreakdown,
+    Ledger,
+    StorageRow,
+    add_inputs,
+    breakdown_checkpoint,
+    format_checkpoint_detail,
+)
+from remat_dist.report._format import compress_names, format_bytes, plural, table
+from remat_dist.report._graph import (
+    GraphScan,
+    StorageKey,
+    is_parameter_tensor,
+    scan_graph,
+    tensor_storages,
+)
+
+__all__ = [
+    "OutsideGroup",
+    "SavedTensorsReport",
+    "build_saved_tensors_report",
+    "format_saved_tensors_report",
+    "print_saved_tensors_report",
+    "saved_tensors_summary",
+]
+
+
+OUTSIDE_ROWS = 3
+"""With ``annotate``, how many storages of each outside node type are listed."""
+
+
+@dataclass
+class OutsideGroup:
+    """Saves of the nodes of one type outside every checkpoint."""
+
+    node_type: str
+    rows: list[StorageRow] = field(default_factory=list)
+    nodes: set[int] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def storages(self) -> int:
+        return sum(1 for r in self.rows if r.counted_in is None and r.nbytes)
+
+
+@dataclass
+class SavedTensorsReport:
+    """The structured saved-tensors report of one process (see module doc).
+
+    ``total_bytes == regions_bytes + checkpoint_input_bytes + outside_regions_bytes``.
+    """
+
+    checkpoints: list[CheckpointBreakdown]
+    outside: list[OutsideGroup]
+    parameter_bytes: int
+    parameter_storages: int
+    nodes: int = 0
+
+    @property
+    def regions_bytes(self) -> int:
+        return sum(cp.nbytes for cp in self.checkpoints)
+
+    @property
+    def checkpoint_input_bytes(self) -> int:
+        return sum(cp.input_bytes for cp in self.checkpoints)
+
+    @property
+    def outside_regions_bytes(self) -> int:
+        return sum(g.nbytes for g in self.outside)
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.regions_bytes
+            + self.checkpoint_input_bytes
+            + self.outside_regions_bytes
+        )
+
+    @property
+    def user_hook_bytes(self) -> int:
+        return sum(cp.user_hook_bytes for cp in self.checkpoints) + sum(
+            r.nbytes for g in self.outside for r in g.rows if r.user_hook
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready per-process numbers (what the cross-rank report gathers)."""
+        return {
+            "total_bytes": self.total_bytes,
+            "regions_bytes": self.regions_bytes,
+            "outside_regions_bytes": self.outside_regions_bytes,
+            "checkpoint_input_bytes": self.checkpoint_input_bytes,
+            "parameter_bytes": self.parameter_bytes,
+            "user_hook_bytes": self.user_hook_bytes,
+            "regions": [
+                {
+                    "name": cp.name,
+                    "bytes": cp.nbytes,
+                    "storages": cp.storages,
+                    "input_bytes": cp.input_bytes,
+                }
+                for cp in self.checkpoints
+            ],
+            "outside": [
+                {"node_type": g.node_type, "bytes": g.nbytes, "nodes": len(g.nodes)}
+                for g in self.outside
+            ],
+        }
+
+    def format(self, annotate: Annotate | None = None) -> str:
+        """The text report (torch_remat's layout, plus inputs and parameters)."""
+        n_regions = len(self.checkpoints)
+        lines = [
+            f"saved for backward: {format_bytes(self.total_bytes)} resident -- "
+            f"{n_regions} region(s) {format_bytes(self.regions_bytes)}, "
+            f"checkpoint inputs {format_bytes(self.checkpoint_input_bytes)}, "
+            f"outside regions {format_bytes(self.outside_regions_bytes)}"
+        ]
+        if self.user_hook_bytes:
+            lines.append(
+                f"of which packed by user hooks: {format_bytes(self.user_hook_bytes)} "
+                "(size before packing)"
+            )
+        lines.append(
+            f"parameters saved (not counted above): {format_bytes(self.parameter_bytes)} in "
+            f"{plural(self.parameter_storages, 'storage')}"
+        )
+        region_groups = _group(self.checkpoints, lambda cp: cp.signature())
+        if self.checkpoints:
+            lines += ["", "regions:"]
+            rows = []
+            for members in region_groups:
+                cp = members[0]
+                each = " each" if len(members) > 1 else ""
+                rows.append(
+                    [
+                        format_bytes(cp.nbytes),
+                        f"x{len(members)}",
+                        compress_names([m.name for m in members]),
+                        f"({plural(cp.storages, 'storage')}{each})",
+                    ]
+                )
+            lines += table(rows, indent="  ", right=(0,))
+            lines += [
+                "",
+                f"checkpoint inputs: {format_bytes(self.checkpoint_input_bytes)} in "
+                f"{plural(sum(cp.input_storages for cp in self.checkpoints), 'storage')}",
+            ]
+            rows = []
+            for members in _group(self.checkpoints, lambda cp: cp.input_signature()):
+                cp = members[0]
+                each = " each" if len(members) > 1 else ""
+                rows.append(
+                    [
+                        format_bytes(cp.input_bytes),
+                        f"x{len(members)}",
+                        compress_names([m.name for m in members]),
+                        f"({plural(cp.input_storages, 'storage')}{each})",
+                    ]
+                )
+            lines += table(rows, indent="  ", right=(0,))
+        shown = [g for g in self.outside if g.nbytes]
+        lines += [
+            "",
+            f"outside regions: {format_bytes(self.outside_regions_bytes)} in "
+            f"{plural(sum(g.storages for g in shown), 'storage')}",
+        ]
+        rows = []
+        for g in sorted(shown, key=lambda g: -g.nbytes):
+            rows.append([format_bytes(g.nbytes), f"{g.node_type} (x{len(g.nodes)})"])
+            if annotate is not None:
+                # with annotations, the heaviest storages of each node type too
+                counted = [r for r in g.rows if r.nbytes and r.counted_in is None]
+                for r in sorted(counted, key=lambda r: -r.nbytes)[:OUTSIDE_ROWS]:
+                    size, _, shape, dtype, note = r.cells(annotate)
+                    if "@ " in note:
+                        rows.append(["", f"  {size}  {shape}  {dtype}  {note}"])
+        lines += table(rows, indent="  ", right=(0,))
+        detailed = [m for m in region_groups if m[0].regions]
+        if detailed:
+            lines += ["", "region detail:"]
+            for members in detailed:
+                lines.append(
+                    f"[x{len(members)}: {compress_names([m.name for m in members])}]"
+                )
+                lines += format_checkpoint_detail(members[0], annotate, inputs=True)
+        return "\n".join(lines)
+
+
+def _group(
+    items: list[CheckpointBreakdown], key: Any
+) -> list[list[CheckpointBreakdown]]:
+    groups: dict[Any, list[CheckpointBreakdown]] = {}
+    for cp in items:
+        groups.setdefault(key(cp), []).append(cp)
+    return list(groups.values())
+
+
+def _unique_names(scan: GraphScan) -> list[str]:
+    counts: dict[str, int] = {}
+    names = []
+    for record in scan.records:
+        n = counts.get(record.name, 0) + 1
+        counts[record.name] = n
+        names.append(record.name if n == 1 else f"{record.name}#{n}")
+    return names
+
+
+def _resolve_roots(roots: tuple[Any, ...]) -> Iterable[Any]:
+    if roots:
+        return roots
+    from remat_dist.report._roots import discover_autograd_roots
+
+    return discover_autograd_roots()
+
+
+def build_saved_tensors_report(*roots: Any) -> SavedTensorsReport:
+    """Walk the graph from ``roots`` and count what backward will need.
+
+    ``roots``: tensors (usually the loss), autograd nodes, or lists/tuples/dicts of
+    them. With no roots, :func:`discover_autograd_roots` finds them (a ``gc`` pass).
+    """
+    scan = scan_graph(_resolve_roots(roots))
+    ledger = Ledger(scan.parameter_keys)
+    tensors: dict[StorageKey, torch.Tensor] = {}
+    labels: dict[StorageKey, list[str]] = {}
+    for t, label in scan.region_tensors:
+        for key, _, plain in tensor_storages(t):
+            tensors.setdefault(key, plain)
+            labels.setdefault(key, []).append(label)
+    checkpoints = [
+        breakdown_checkpoint(record, name, ledger, tensors, labels, with_inputs=False)
+        for record, name in zip(scan.records, _unique_names(scan), strict=True)
+    ]
+    for cp, record in zip(checkpoints, scan.records, strict=True):
+        add_inputs(cp, record, ledger)
+    groups: dict[str, OutsideGroup] = {}
+    for save in scan.outside:
+        parameter = is_parameter_tensor(save.tensor)
+        group = groups.setdefault(save.node_type, OutsideGroup(save.node_type))
+        for key, nbytes, plain in tensor_storages(save.tensor):
+            where = f"outside regions: {save.node_type}"
+            counted, before = ledger.claim(key, nbytes, where, parameter=parameter)
+            if counted:
+                group.nodes.add(save.node_index)
+            group.rows.append(
+                StorageRow(
+                    nbytes=counted,
+                    storage_nbytes=nbytes,
+                    label=save.node_type,
+                    shape=tuple(save.tensor.shape),
+                    dtype=save.tensor.dtype,
+                    device=plain.device,
+                    user_hook=save.user_hook,
+                    counted_in=before,
+                    tensor=plain,
+                )
+            )
+    return SavedTensorsReport(
+        checkpoints=checkpoints,
+        outside=list(groups.values()),
+        parameter_bytes=ledger.parameter_bytes,
+        parameter_storages=len(ledger.parameters),
+        nodes=scan.nodes,
+    )
+
+
+def format_saved_tensors_report(*roots: Any, annotate: Annotate | None = None) -> str:
+    """The saved-tensors report for ``roots`` as text (see module doc).
+
+    ``annotate``: optional ``tensor -> label`` appended to storage rows, e.g.
+    :func:`memory_snapshot_annotate` (allocation sites on CUDA).
+    """
+    return build_saved_tensors_report(*roots).format(annotate)
+
+
+def print_saved_tensors_report(
+    *roots: Any, annotate: Annotate | None = None, file: IO[str] | None = None
+) -> None:
+    """Print :func:`format_saved_tensors_report` (to stdout by default)."""
+    print(
+        format_saved_tensors_report(*roots, annotate=annotate), file=file or sys.stdout
+    )
+
+
+def saved_tensors_summary(*roots: Any) -> dict[str, Any]:
+    """The report's numbers as a JSON-ready dict::
+
+        {"total_bytes", "regions_bytes", "outside_regions_bytes",
+         "checkpoint_input_bytes", "parameter_bytes", "user_hook_bytes",
+         "regions": [{"name", "bytes", "storages", "input_bytes"}, ...],
+         "outside": [{"node_type", "bytes", "nodes"}, ...]}
+
+    ``regions`` are the checkpoints in forward order; a region's ``bytes`` are what
+    its save regions keep (inputs are in ``input_bytes``).
+    """
+    return build_saved_tensors_report(*roots).summary()
