@@ -20,10 +20,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import remat_dist as remat
 from remat_dist.models import GPT, GPTConfig, make_batch
 
 
@@ -35,15 +35,10 @@ def checkpoint_block(
     The single place that decides how a block is checkpointed (``name`` is its
     qualified name, ``"layers.0"``, ...).
     """
-    _note_checkpoint_input(x)
-    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    return remat.checkpoint(region_name=name)(block)(x)
 
 
 # -- saved-for-backward accounting --------------------------------------------
-
-_measuring: dict[int, torch.UntypedStorage] | None = None
-"""While measuring: every unique storage saved for backward, by identity."""
-
 
 def _note(seen: dict[int, torch.UntypedStorage], t: torch.Tensor) -> None:
     local = getattr(t, "_local_tensor", t)  # a DTensor's bytes are its local shard
@@ -57,29 +52,18 @@ def _note(seen: dict[int, torch.UntypedStorage], t: torch.Tensor) -> None:
     seen[key] = storage
 
 
-def _note_checkpoint_input(x: torch.Tensor) -> None:
-    """Checkpoint inputs are kept alive for replay but never pass through a pack
-    hook; count them so the total is what backward really holds."""
-    if _measuring is not None:
-        _note(_measuring, x)
-
-
 @contextmanager
 def count_saved_storages() -> Iterator[dict[int, torch.UntypedStorage]]:
-    """Outermost ``saved_tensors_hooks``: record every unique storage packed."""
-    global _measuring
+    """Outermost ``remat.saved_tensors_hooks``: record every unique storage
+    packed, checkpoint inputs included."""
     seen: dict[int, torch.UntypedStorage] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         _note(seen, t)
         return t
 
-    _measuring = seen
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield seen
-    finally:
-        _measuring = None
+    with remat.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def saved_bytes_for_one_forward(
