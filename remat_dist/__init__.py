@@ -34,6 +34,14 @@ from remat_dist.errors import (
     RematError,
     RematUsageError,
 )
+from remat_dist.fsdp import (
+    TensorParallelPlan,
+    apply_remat,
+    reference_tp_plan,
+    remat_plan,
+    remove_remat,
+    shard_model,
+)
 from remat_dist.report import (
     CrossRankReport,
     attach_oom_observer,
@@ -54,6 +62,12 @@ from remat_dist.report import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "TensorParallelPlan",
+    "apply_remat",
+    "reference_tp_plan",
+    "remat_plan",
+    "remove_remat",
+    "shard_model",
     "CrossRankReport",
     "attach_oom_observer",
     "collect_trace",

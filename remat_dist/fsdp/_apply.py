@@ -15,9 +15,14 @@ stays *outside* the checkpoint:
   backward calls the inner forward directly, after FSDP's pre-backward hook has
   unsharded the parameters, so remat adds no all-gather and no reduce-scatter.
 * tensor-parallel styles (``parallelize_module``) hook the *submodules*; their
-  collectives run inside the checkpoint and are replayed (checked against the
-  forward's ledger by ``remat_dist.distributed`` when it is installed). Block-level
-  ``PrepareModuleInput`` / ``PrepareModuleOutput`` hooks stay outside.
+  collectives run inside the checkpoint and are replayed as the checkpoint's
+  ``collectives=`` mode says. Block-level hooks (``shard_model``'s
+  sequence-parallel slicing and gathering) stay outside.
+
+Policy regions (``{"attention": "save"}``) replace the submodule's ``_call_impl``
+on the instance instead (``nn.Module.__call__`` dispatches through it), so the
+region covers the whole module call, hooks included; where that is not possible
+(a submodule compiled with ``module.compile()``) its ``forward`` is replaced.
 
 Because nothing is wrapped and no class changes, module types, parameter names and
 ``state_dict`` keys are exactly those of the model without remat, and the result is
@@ -359,21 +364,18 @@ def apply_remat(
                 "remat_dist.fsdp.remove_remat(model) first to change the policy."
             )
         for other in already + selected_names:
-            if strictly_inside(name, other) or strictly_inside(other, name):
-                outer, inner = (
-                    (name, other)
-                    if strictly_inside(name, other)
-                    else (
-                        other,
-                        name,
-                    )
-                )
-                raise RematUsageError(
-                    f"remat_dist.apply_remat: block {inner!r} lies inside block "
-                    f"{outer!r}, and both would be checkpointed; nested checkpoints "
-                    "are not supported. Fix: select one level of blocks, or keep the "
-                    "inner one as a policy entry ({'sub': 'save'})."
-                )
+            if strictly_inside(name, other):
+                outer, inner = name, other
+            elif strictly_inside(other, name):
+                outer, inner = other, name
+            else:
+                continue
+            raise RematUsageError(
+                f"remat_dist.apply_remat: block {inner!r} lies inside block "
+                f"{outer!r}, and both would be checkpointed; nested checkpoints "
+                "are not supported. Fix: select one level of blocks, or keep the "
+                "inner one as a policy entry ({'sub': 'save'})."
+            )
     for name, module in selected:
         if (
             type(module).forward is nn.Module.forward

@@ -1,0 +1,9 @@
+"""The CPU generator hook the fsdp tests pass as ``state_hooks`` (dropout on CPU)."""
+
+from __future__ import annotations
+
+from remat_dist.distributed.rng import CPURNGStateHook
+
+
+def cpu_hooks() -> tuple:
+    return (CPURNGStateHook(),)
