@@ -3,7 +3,7 @@
 # checkpointing on 2 ranks (torchrun, CPU + gloo). scripts/demo.sh [TRAIN ARGS...]
 #
 # Creates .venv if missing and installs the project (skipped when already done).
-# Extra arguments go to launchers/train.py (default: --steps 5).
+# Extra arguments go to launchers/train.py (default: --steps 30).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 ensure_venv
@@ -21,6 +21,6 @@ fi
 # torch warns at import when numpy is absent; the demo does not need numpy.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:Failed to initialize NumPy}"
 if [[ $# -eq 0 ]]; then
-    set -- --steps 5
+    set -- --steps 30
 fi
 exec "$VENV/bin/torchrun" --standalone --nproc-per-node 2 launchers/train.py "$@"

@@ -1,0 +1,73 @@
+"""launchers/train.py under torchrun: 2 CPU ranks, loss falls, report JSON, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "launchers" / "train.py"
+
+
+def torchrun(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env["PYTHONWARNINGS"] = "ignore"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "2", str(TRAIN), *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
+    out = tmp_path / "report.json"
+    proc = torchrun(
+        "--steps", "8", "--dim", "64", "--layers", "2", "--seq", "32",
+        "--remat", "attention", "--report-json", str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [line for line in proc.stdout.splitlines() if " loss " in line]
+    assert len(steps) == 8 and all(line.startswith("[rank 0]") for line in steps)
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in steps]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert "saved for backward across 2 ranks" in proc.stdout
+    data = json.loads(out.read_text())
+    ranks = data["saved_tensors"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["total_bytes"] > 0 for r in ranks)
+    assert [r["name"] for r in data["saved_tensors"]["regions"]] == ["layers.0", "layers.1"]
+    assert len(data["peak_memory_bytes"]) == 2 and data["losses"] == pytest.approx(losses, abs=1e-4)
+
+
+def test_impossible_mesh_fails_on_every_rank_without_hang():
+    proc = torchrun("--tp", "3", timeout=120)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] train.py: error: --tp 3 does not divide the world size 2" in proc.stderr
+
+
+def test_bad_flag_and_missing_gpu_and_bare_python(monkeypatch, capsys):
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(TRAIN.parent))
+    with pytest.raises(SystemExit) as ei:
+        train.parse_args(["--remat", "bogus"])
+    assert ei.value.code == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if not train.torch.cuda.is_available():
+        assert train.main(["--device", "cuda"]) == 2
+        assert "[rank 1] train.py: error: --device cuda" in capsys.readouterr().err
+    assert train.main(["--heads", "3"]) == 2
+    assert "--heads 3 must divide --dim 128" in capsys.readouterr().err
+    monkeypatch.delenv("RANK")
+    assert train.main([]) == 2
+    assert "run it with torchrun" in capsys.readouterr().err
