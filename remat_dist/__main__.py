@@ -1,3 +1,4 @@
-from remat_dist.cli.main import main
+if __name__ == "__main__":
+    from remat_dist.cli.main import main
 
-raise SystemExit(main())
+    raise SystemExit(main())

@@ -249,7 +249,7 @@ def _entry(t: torch.Tensor, name: str | None) -> SavedEntry:
         shape=tuple(t.shape),
         dtype=t.dtype,
         device=local.device,
-        storage=(local.device, storage.data_ptr()),
+        storage=(local.device, storage._cdata),
         storage_nbytes=storage.nbytes(),
         nbytes=local.numel() * local.element_size(),
         is_parameter=isinstance(t, torch.nn.Parameter),

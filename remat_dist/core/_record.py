@@ -56,9 +56,14 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, int]:
-    """Identity of the storage behind ``t`` (views share it)."""
+    """Identity of the storage behind ``t`` (views share it).
+
+    The storage object, not its address: FSDP2 frees unsharded parameters after
+    forward (their storage is resized to 0 but stays alive on the graph), and the
+    allocator hands the freed address to later tensors.
+    """
     t = plain(t)
-    return (t.device, t.untyped_storage().data_ptr())
+    return (t.device, t.untyped_storage()._cdata)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:

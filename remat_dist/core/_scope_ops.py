@@ -29,29 +29,43 @@ class OpInfo(NamedTuple):
         random: the operator draws from a generator (``nondeterministic_seeded``).
         write_pos: positions of arguments the operator writes in place.
         write_kw: names of keyword-only arguments it writes (``out=`` and friends).
-        fresh: some return value is a new tensor rather than an alias of an input.
+        may_alias: some return value may share storage with an argument (a view or
+            an in-place result, or an operator known to alias without saying so).
     """
 
     random: bool
     write_pos: frozenset[int]
     write_kw: frozenset[str]
-    fresh: bool
+    may_alias: bool
 
 
 _NO_INFO = OpInfo(False, frozenset(), frozenset(), True)
-_INFO: dict[Any, OpInfo] = {}
+INFO: dict[Any, OpInfo] = {}
+"""The cache :func:`op_info` fills (read it directly on hot paths)."""
+
+# Operators whose schema does not mark their return as an alias but that return a
+# tensor sharing storage with an argument.
+_UNMARKED_ALIASES = frozenset({"_unsafe_view"})
+# Operators that write arguments their schema does not mark as written: the batch
+# norm kernels update running_mean / running_var (positions 3 and 4) in place.
+_UNMARKED_WRITES = {
+    "native_batch_norm": (3, 4),
+    "cudnn_batch_norm": (3, 4),
+    "miopen_batch_norm": (3, 4),
+}
 
 
 def op_info(func: Any) -> OpInfo:
     """Facts about ``func`` read once from its schema and tags, then cached."""
-    info = _INFO.get(func)
+    info = INFO.get(func)
     if info is not None:
         return info
     schema = getattr(func, "_schema", None)
     if schema is None:
         info = _NO_INFO
     else:
-        pos: set[int] = set()
+        name = schema.name.split("::")[-1]
+        pos: set[int] = set(_UNMARKED_WRITES.get(name, ()))
         kw: set[str] = set()
         for i, arg in enumerate(schema.arguments):
             alias = arg.alias_info
@@ -60,15 +74,18 @@ def op_info(func: Any) -> OpInfo:
                     kw.add(arg.name)
                 else:
                     pos.add(i)
-        fresh = any(ret.alias_info is None for ret in schema.returns)
+        may_alias = (
+            any(ret.alias_info is not None for ret in schema.returns)
+            or name in _UNMARKED_ALIASES
+        )
         tags = getattr(func, "tags", ())
         info = OpInfo(
             torch.Tag.nondeterministic_seeded in tags,
             frozenset(pos),
             frozenset(kw),
-            fresh,
+            may_alias,
         )
-    _INFO[func] = info
+    INFO[func] = info
     return info
 
 

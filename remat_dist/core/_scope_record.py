@@ -34,7 +34,7 @@ import functools
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -89,39 +89,46 @@ def live_scope_records() -> list[ScopeRecord]:
 
 # --- tensor tags -----------------------------------------------------------------
 
+# id(tensor) -> (weak reference, record, slot): which recorded output an object is.
+# Entries are checked against the weak reference before use (ids are reused).
+_TAGS: dict[int, tuple[Any, ScopeRecord, int]] = {}
 
-class _Tag(weakref.ref):
-    """Weak reference from a record to one output object, found by ``id``."""
 
-    __slots__ = ("key", "record", "slot", "swapped")
+class _SwapRef(weakref.ref):
+    """Weak reference to a scope output after its scope; tells the record when
+    the object dies (the record closes once no output and no handle is left)."""
 
-    def __new__(cls, obj: torch.Tensor, record: ScopeRecord, slot: int) -> _Tag:
-        return super().__new__(cls, obj, _tag_died)
+    __slots__ = ("key", "record", "live")
 
-    def __init__(self, obj: torch.Tensor, record: ScopeRecord, slot: int) -> None:
-        super().__init__(obj, _tag_died)
+    def __new__(cls, obj: torch.Tensor, record: ScopeRecord) -> _SwapRef:
+        return super().__new__(cls, obj, _swap_died)
+
+    def __init__(self, obj: torch.Tensor, record: ScopeRecord) -> None:
+        super().__init__(obj, _swap_died)
         self.key = id(obj)
         self.record = record
-        self.slot = slot
-        self.swapped = False
+        self.live = True
 
 
-_TAGS: dict[int, _Tag] = {}
+def _swap_died(ref: _SwapRef) -> None:
+    entry = _TAGS.get(ref.key)
+    if entry is not None and entry[0] is ref:
+        del _TAGS[ref.key]
+    if ref.live:
+        ref.live = False
+        ref.record._swapped_died()
 
 
-def _tag_died(tag: _Tag) -> None:
-    if _TAGS.get(tag.key) is tag:
-        _TAGS.pop(tag.key, None)
-    if tag.swapped:
-        tag.swapped = False
-        tag.record._swapped_died()
-
-
-def tag_of(t: torch.Tensor) -> _Tag | None:
-    tag = _TAGS.get(id(t))
-    if tag is not None and tag() is t:
-        return tag
+def tag_of(t: torch.Tensor) -> tuple[Any, ScopeRecord, int] | None:
+    entry = _TAGS.get(id(t))
+    if entry is not None and entry[0]() is t:
+        return entry
     return None
+
+
+def _untag(key: int, entry: tuple[Any, ScopeRecord, int]) -> None:
+    if _TAGS.get(key) is entry:
+        del _TAGS[key]
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -174,21 +181,21 @@ class _SeqRef:
         self.items = items
 
 
-class _Op:
-    __slots__ = (
-        "func", "args", "kwargs", "outs", "seq", "deps", "reads", "rng", "autocast",
-    )
-
-    def __init__(self, func, args, kwargs, outs, seq, deps, reads, rng, autocast):
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.outs = outs  # ((index in the flat outputs, slot), ...)
-        self.seq = seq  # the op returns a tuple/list
-        self.deps = deps  # indices of ops that must run before this one
-        self.reads = reads  # slots among the arguments
-        self.rng = rng  # (generator, state before the op) or None
-        self.autocast = autocast
+class _Op(NamedTuple):
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outs: tuple[tuple[int, int], ...]
+    """(index in the flat outputs, slot) of each output that got a slot."""
+    seq: bool
+    """The op returns a tuple or list."""
+    deps: list[int]
+    """Indices of ops that must run before this one (with repeats)."""
+    reads: list[int]
+    """Slots among the arguments."""
+    rng: tuple[torch.Generator, torch.Tensor] | None
+    """The generator the op draws from and its state before the op."""
+    autocast: tuple[Any, ...] | None
 
 
 class _Base:
@@ -207,12 +214,17 @@ class _Base:
 class _Handle:
     """What autograd keeps instead of a scope tensor: how to get it back."""
 
-    __slots__ = ("record", "base", "meta", "writes")
+    __slots__ = ("record", "base", "size", "stride", "offset", "dtype", "flags",
+                 "writes")
 
-    def __init__(self, record: ScopeRecord, base: int, meta: tuple, writes: int):
+    def __init__(self, record: ScopeRecord, base: int, t: torch.Tensor, writes: int):
         self.record = record
         self.base = base
-        self.meta = meta
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.dtype = t.dtype
+        self.flags = (t.is_conj(), t.is_neg())
         self.writes = writes
 
     def __del__(self) -> None:
@@ -220,6 +232,31 @@ class _Handle:
             self.record._release(self.base)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    def rebuild(self, root: torch.Tensor) -> torch.Tensor:
+        """The saved tensor: ``root`` itself, or the view of its storage it was."""
+        conj, neg = self.flags
+        if (
+            self.dtype == root.dtype
+            and self.offset == root.storage_offset()
+            and self.size == root.size()
+            and self.stride == root.stride()
+            and not conj
+            and not neg
+        ):
+            return root
+        FLAGS.replaying += 1
+        try:
+            with torch.no_grad():
+                t = torch.empty((0,), dtype=self.dtype, device=root.device)
+                t.set_(root.untyped_storage(), self.offset, self.size, self.stride)
+                if conj:
+                    t = t.conj()
+                if neg:
+                    t = torch._neg_view(t)
+        finally:
+            FLAGS.replaying -= 1
+        return t
 
 
 class _Delegated:
@@ -230,38 +267,19 @@ class _Delegated:
         self.packed = packed
 
 
-def _meta(t: torch.Tensor) -> tuple:
-    return (
-        t.size(), t.stride(), t.storage_offset(), t.dtype, t.is_conj(), t.is_neg(),
-    )
-
-
-def _rebuild(root: torch.Tensor, meta: tuple) -> torch.Tensor:
-    size, stride, offset, dtype, conj, neg = meta
-    if (
-        dtype == root.dtype
-        and offset == root.storage_offset()
-        and size == root.size()
-        and stride == root.stride()
-        and not conj
-        and not neg
-    ):
-        return root
-    FLAGS.replaying += 1
-    try:
-        with torch.no_grad():
-            t = torch.empty((0,), dtype=dtype, device=root.device)
-            t.set_(root.untyped_storage(), offset, size, stride)
-            if conj:
-                t = t.conj()
-            if neg:
-                t = torch._neg_view(t)
-    finally:
-        FLAGS.replaying -= 1
+def _check_version(t: torch.Tensor, version: int | None) -> torch.Tensor:
+    if version is not None and _version(t) != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified "
+            f"by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+            f"{_version(t)}; expected version {version} instead."
+        )
     return t
 
 
 _UNSET = object()
+_INFO = _scope_ops.INFO
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 class ScopeRecord:
@@ -273,18 +291,19 @@ class ScopeRecord:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.thread = threading.get_ident()
         self.ops: list[_Op] = []
         self.slot_base: list[int] = []
         self.slot_op: list[int] = []
         self.bases: list[_Base] = []
         self.base_by_key: dict[int, int] = {}
         self._storage_weak: list[int] = []
-        self._tags: list[_Tag] = []
-        self._swapped: list[_Tag] = []
-        self._ext_last_read: dict[int, int | None] = {}
+        self._tags: list[tuple[int, tuple[Any, ScopeRecord, int]]] = []
+        self._swapped: list[tuple[int, tuple[Any, ScopeRecord, int]]] = []
         self._ext_snapshots: dict[tuple[int, int], torch.Tensor] = {}
         self._cache: dict[int, dict[int, list[Any]]] = {}
+        self.ext_alias_outs: set[int] | None = None
+        """ids of the last op's outputs that alias an outside tensor: the only
+        delegated saves that can be an op's own output (see PackHooks.pack)."""
         self.rng_bytes = 0
         self.replays = 0
         self.alive_swapped = 0
@@ -316,12 +335,12 @@ class ScopeRecord:
 
         Keys: ``ops`` (recorded operators), ``bases`` (storages the scope
         allocated), ``inputs`` / ``input_bytes`` (non-leaf outside tensors read, by
-        unique storage), ``leaf_inputs`` / ``leaf_input_bytes`` (leaf outside tensors,
-        e.g. parameters), ``rng_state_bytes``, ``snapshot_bytes`` (copies of outside
-        tensors the scope wrote in place), ``state_bytes`` (their sum),
-        ``cached_bytes`` (replayed tensors held for a backward pass running now),
-        ``handles`` (saved-tensor handles alive), ``replays`` (replays run so far),
-        ``open``.
+        unique storage), ``leaf_inputs`` / ``leaf_input_bytes`` (leaf outside tensors
+        and views of them, e.g. parameters), ``rng_state_bytes``, ``snapshot_bytes``
+        (copies of outside tensors the scope wrote in place), ``state_bytes`` (their
+        sum), ``cached_bytes`` (replayed tensors held for a backward pass running
+        now), ``handles`` (saved-tensor handles alive), ``replays`` (replays run so
+        far), ``open``.
         """
         with self.lock:
             sizes: dict[int, int] = {}
@@ -372,68 +391,88 @@ class ScopeRecord:
             top = _top_hooks(True)
             if top is not None and not is_our_hook(top):
                 self.mixed = True
-        info = _scope_ops.op_info(func)
-        deps: set[int] = set()
+        info = _INFO.get(func)
+        if info is None:
+            info = _scope_ops.op_info(func)
+        deps: list[int] = []
         reads: list[int] = []
         writes: list[int] = []
-        arg_ids: set[int] = set()
         ext: list[torch.Tensor] = []
-        ctx = (info, deps, reads, writes, arg_ids, ext)
         wpos = info.write_pos
-        eargs = tuple(
-            self._encode(a, i in wpos, ctx) if _has_tensor(a) else a
-            for i, a in enumerate(args)
-        )
+        eargs: Any = args
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                ref = self._ref(a, i in wpos, deps, reads, writes, ext)
+            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                ref = self._seq_ref(a, i in wpos, deps, reads, writes, ext)
+            else:
+                continue
+            if eargs is args:
+                eargs = list(args)
+            eargs[i] = ref
+        ekwargs = kwargs
         if kwargs:
             wkw = info.write_kw
-            ekwargs = {
-                k: self._encode(v, k in wkw, ctx) if _has_tensor(v) else v
-                for k, v in kwargs.items()
-            }
-        else:
-            ekwargs = kwargs
+            for k, v in kwargs.items():
+                if isinstance(v, torch.Tensor):
+                    ref = self._ref(v, k in wkw, deps, reads, writes, ext)
+                elif (type(v) is list or type(v) is tuple) and _has_tensor(v):
+                    ref = self._seq_ref(v, k in wkw, deps, reads, writes, ext)
+                else:
+                    continue
+                if ekwargs is kwargs:
+                    ekwargs = dict(kwargs)
+                ekwargs[k] = ref
         rng = None
         if info.random:
             gen = _scope_ops.generator_for(args, kwargs)
             if gen is not None:
-                state = gen.get_state()
-                rng = (gen, state)
-        autocast = _scope_ops.autocast_state()
+                rng = (gen, gen.get_state())
+        autocast = _scope_ops.autocast_state() if _any_autocast() else None
 
         out = func(*args, **kwargs)
 
         op_index = len(self.ops)
-        seq = isinstance(out, (tuple, list))
-        flat = out if seq else (out,)
+        seq = type(out) is tuple or type(out) is list
         outs: list[tuple[int, int]] = []
-        ext_keys: set[int] | None = None
-        for k, o in enumerate(flat):
-            if not isinstance(o, torch.Tensor) or id(o) in arg_ids:
+        ext_keys: set[int | None] | None = None
+        ext_alias: set[int] | None = None
+        for k, o in enumerate(out if seq else (out,)):
+            if not isinstance(o, torch.Tensor):
                 continue
+            entry = _TAGS.get(id(o))
+            if entry is not None and entry[1] is self and entry[0]() is o:
+                continue  # an in-place op returned its (scope) argument
             try:
                 storage = o.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
-                continue
+                continue  # no storage (sparse, nested): kept as usual
             key = storage._cdata
             base = self.base_by_key.get(key)
             slot = len(self.slot_base)
             if base is None:
-                if ext_keys is None:
-                    ext_keys = {_storage_key(t) for t in ext}
-                if key in ext_keys:
-                    continue  # a view of an outside tensor: kept as usual
+                if info.may_alias and ext:
+                    if ext_keys is None:
+                        ext_keys = {_storage_key(t) for t in ext}
+                    if key in ext_keys:
+                        # A view or in-place result of an outside tensor.
+                        if ext_alias is None:
+                            ext_alias = set()
+                        ext_alias.add(id(o))
+                        continue
                 base = len(self.bases)
                 self.bases.append(_Base(slot, op_index))
                 self.base_by_key[key] = base
                 # A weak reference keeps the StorageImpl's address from being
-                # reused while the key is in base_by_key.
+                # reused for another storage while it is a key of base_by_key.
                 self._storage_weak.append(storage._weak_ref())
             self.slot_base.append(base)
             self.slot_op.append(op_index)
-            tag = _Tag(o, self, slot)
-            _TAGS[tag.key] = tag
-            self._tags.append(tag)
+            entry = (weakref.ref(o), self, slot)
+            _TAGS[id(o)] = entry
+            self._tags.append((id(o), entry))
             outs.append((k, slot))
+        self.ext_alias_outs = ext_alias
         for base in writes:
             b = self.bases[base]
             b.last_writer = op_index
@@ -442,47 +481,50 @@ class ScopeRecord:
             if rng is not None:
                 self.rng_bytes += rng[1].numel() * rng[1].element_size()
             self.ops.append(
-                _Op(func, eargs, ekwargs, tuple(outs), seq, tuple(deps),
-                    tuple(reads), rng, autocast)
+                _Op(func, tuple(eargs), ekwargs, tuple(outs), seq, deps, reads, rng,
+                    autocast)
             )
         return out
 
-    def _encode(self, a: Any, mutated: bool, ctx: tuple) -> Any:
-        if isinstance(a, torch.Tensor):
-            return self._encode_tensor(a, mutated, ctx)
-        return _SeqRef(
-            type(a),
-            [self._encode_tensor(x, mutated, ctx) if isinstance(x, torch.Tensor) else x
-             for x in a],
-        )
-
-    def _encode_tensor(self, t: torch.Tensor, mutated: bool, ctx: tuple) -> Any:
-        info, deps, reads, writes, arg_ids, ext = ctx
-        arg_ids.add(id(t))
-        tag = _TAGS.get(id(t))
-        if tag is not None and tag.record is self and tag() is t:
-            slot = tag.slot
+    def _ref(
+        self,
+        t: torch.Tensor,
+        mutated: bool,
+        deps: list[int],
+        reads: list[int],
+        writes: list[int],
+        ext: list[torch.Tensor],
+    ) -> Any:
+        entry = _TAGS.get(id(t))
+        if entry is not None and entry[1] is self and entry[0]() is t:
+            slot = entry[2]
             base = self.slot_base[slot]
-            deps.add(self.slot_op[slot])
-            deps.add(self.bases[base].last_writer)
+            deps.append(self.slot_op[slot])
+            deps.append(self.bases[base].last_writer)
             reads.append(slot)
             if mutated:
                 writes.append(base)
             return _SlotRef(slot)
         version = _version(t)
         ext.append(t)
-        if mutated:
-            # Replay must not write the live tensor; it writes a copy of the value
-            # the op saw. Take that copy only where a replay can use it.
-            if version is not None and (
-                info.fresh or self._ext_last_read.get(id(t), -1) == version
-            ):
-                key = (id(t), version)
-                if key not in self._ext_snapshots:
-                    self._ext_snapshots[key] = t.detach().clone()
-        else:
-            self._ext_last_read[id(t)] = version
+        if mutated and version is not None:
+            # Replay must not write the live tensor: it writes a copy of the value
+            # this op saw.
+            key = (id(t), version)
+            if key not in self._ext_snapshots:
+                self._ext_snapshots[key] = t.detach().clone()
         return _ExtRef(t, version, mutated)
+
+    def _seq_ref(self, seq, mutated, deps, reads, writes, ext) -> _SeqRef:
+        return _SeqRef(
+            type(seq),
+            [
+                self._ref(x, mutated, deps, reads, writes, ext)
+                if isinstance(x, torch.Tensor)
+                else x
+                for x in seq
+            ],
+        )
 
     # --- saved-tensor handles ----------------------------------------------------
 
@@ -491,7 +533,7 @@ class ScopeRecord:
             b = self.bases[base]
             b.handles += 1
             self.total_handles += 1
-            return _Handle(self, base, _meta(t), b.writes)
+            return _Handle(self, base, t, b.writes)
 
     def handle_after_exit(self, base: int, t: torch.Tensor) -> _Handle | None:
         """A handle for a scope output saved by an op after the scope, or None
@@ -504,7 +546,7 @@ class ScopeRecord:
                 return None
             b.handles += 1
             self.total_handles += 1
-            return _Handle(self, base, _meta(t), b.writes)
+            return _Handle(self, base, t, b.writes)
 
     def _release(self, base: int) -> None:
         with self.lock:
@@ -526,44 +568,46 @@ class ScopeRecord:
     # --- scope exit and close ----------------------------------------------------
 
     def finish(self) -> None:
-        """Called once when the outermost scope exits."""
+        """Called once when the outermost scope exits: forget the storages, turn
+        the outputs still referenced into :class:`ScopeOutput`."""
         with self.lock:
             self.exited = True
             for ref in self._storage_weak:
                 torch.UntypedStorage._free_weak_ref(ref)
             self._storage_weak = []
             self.base_by_key = {}
-            self._ext_last_read = {}
+            self.ext_alias_outs = None
             tags, self._tags = self._tags, []
-            for tag in tags:
-                o = tag()
+            for key, entry in tags:
+                o = entry[0]()
                 if o is None:
+                    _untag(key, entry)
                     continue
-                base = self.bases[self.slot_base[tag.slot]]
-                base.exit_version = _version(o)
-                if type(o) is torch.Tensor:
-                    o.__class__ = ScopeOutput
-                    tag.swapped = True
-                    self.alive_swapped += 1
-                    self._swapped.append(tag)
+                slot = entry[2]
+                self.bases[self.slot_base[slot]].exit_version = _version(o)
+                if type(o) is torch.Tensor and _TAGS.get(key) is entry:
+                    self._swap(o, slot)
+                else:
+                    self._tags.append((key, entry))  # untagged at close
             del tags
             if self.total_handles == 0 and (
                 self.alive_swapped == 0 or not torch.is_grad_enabled()
             ):
                 self._close()
 
+    def _swap(self, o: torch.Tensor, slot: int) -> None:
+        entry = (_SwapRef(o, self), self, slot)
+        _TAGS[id(o)] = entry
+        self._swapped.append((id(o), entry))
+        o.__class__ = ScopeOutput
+        self.alive_swapped += 1
+
     def adopt(self, o: torch.Tensor, base: int) -> None:
         """Make ``o`` (a view of a scope output made after the scope) a scope
         output too, so that what later ops save of it is a handle as well."""
         with self.lock:
-            if self.closed:
-                return
-            tag = _Tag(o, self, self.bases[base].root_slot)
-            _TAGS[tag.key] = tag
-            o.__class__ = ScopeOutput
-            tag.swapped = True
-            self.alive_swapped += 1
-            self._swapped.append(tag)
+            if not self.closed:
+                self._swap(o, self.bases[base].root_slot)
 
     def _close(self) -> None:
         if self.closed:
@@ -574,12 +618,17 @@ class ScopeRecord:
         self._cache = {}
         self.rng_bytes = 0
         swapped, self._swapped = self._swapped, []
+        tags, self._tags = self._tags, []
         self.alive_swapped = 0
-        for tag in swapped:
-            tag.swapped = False
-            o = tag()
+        for key, entry in swapped:
+            ref = entry[0]
+            ref.live = False
+            o = ref()
             if o is not None and type(o) is ScopeOutput:
                 o.__class__ = torch.Tensor
+            _untag(key, entry)
+        for key, entry in tags:
+            _untag(key, entry)
         _LIVE.discard(self)
 
     # --- replay ------------------------------------------------------------------
@@ -596,8 +645,8 @@ class ScopeRecord:
                 raise RematError(
                     "gradient_checkpoint_scope: one of the tensors needed for "
                     "gradient computation was modified by an in-place operation "
-                    "inside the scope after an operation saved it (as plain "
-                    "autograd would report). Fix: clone it before modifying it."
+                    "inside the scope after an operation saved it (plain autograd "
+                    "reports this too). Fix: clone it before modifying it."
                 )
             self.unpacked_any = True
             gid = torch._C._current_graph_task_id()
@@ -627,7 +676,7 @@ class ScopeRecord:
                         if n > 0 and b not in cache:
                             cache[b] = [t, n]
                 del results
-            return _rebuild(root, h.meta)
+            return h.rebuild(root)
 
     def _drop_cache(self, gid: int) -> None:
         with self.lock:
@@ -638,6 +687,8 @@ class ScopeRecord:
 
         Returns the replayed root tensor of ``target`` and of every other base that
         reached its final value in this replay and still has saved handles.
+        Intermediate results are freed as soon as the replay is past their last
+        use.
         """
         self.replays += 1
         ops = self.ops
@@ -666,8 +717,7 @@ class ScopeRecord:
                     keep[s] = b
         frees: dict[int, list[int]] = {}
         for j in order:
-            op = ops[j]
-            for _, s in op.outs:
+            for _, s in ops[j].outs:
                 if s not in keep:
                     frees.setdefault(last_use.get(s, j), []).append(s)
 
@@ -689,7 +739,7 @@ class ScopeRecord:
                         if id(gen) not in gens:
                             gens[id(gen)] = (gen, gen.get_state())
                         gen.set_state(state)
-                    args = tuple(self._decode(a, vals, op) for a in op.args)
+                    args = [self._decode(a, vals, op) for a in op.args]
                     kwargs = (
                         {k: self._decode(v, vals, op) for k, v in op.kwargs.items()}
                         if op.kwargs
@@ -700,6 +750,7 @@ class ScopeRecord:
                         flat = out if op.seq else (out,)
                         for k, s in op.outs:
                             vals[s] = flat[k]
+                        del flat
                     del args, kwargs, out
                     for s in frees.get(j, ()):
                         vals.pop(s, None)
@@ -733,13 +784,10 @@ class ScopeRecord:
         return a
 
 
-def _has_tensor(a: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return True
-    if type(a) is list or type(a) is tuple:
-        for x in a:
-            if isinstance(x, torch.Tensor):
-                return True
+def _has_tensor(a: list[Any] | tuple[Any, ...]) -> bool:
+    for x in a:
+        if isinstance(x, torch.Tensor):
+            return True
     return False
 
 
@@ -774,40 +822,57 @@ class PackHooks:
         self.outer = outer
 
     def pack(self, t: torch.Tensor) -> Any:
+        if type(t) is torch.Tensor:
+            try:
+                key = t.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                key = None
+        else:
+            key = _storage_key(t)
+        rec = self.record
+        if key is not None:
+            if rec is not None:
+                base = rec.base_by_key.get(key)
+                if base is not None and not rec.exited:
+                    return rec.handle_in_scope(base, t)
+            else:
+                hit = self.local.get(key)  # type: ignore[union-attr]
+                if hit is not None:
+                    h = hit[0].handle_after_exit(hit[1], t)
+                    if h is not None:
+                        return h
+        outer = self.outer
+        if outer is not None:
+            if is_our_hook(outer):
+                return outer[0](t)
+            FLAGS.bypass += 1
+            try:
+                return _Delegated(outer[1], outer[0](t))
+            finally:
+                FLAGS.bypass -= 1
+        # Kept as usual. Holding an op's own output here would be a reference
+        # cycle through its grad_fn; inside a scope the record knows the last op's
+        # outputs, so only those (outputs aliasing outside tensors) are detached.
+        if rec is not None:
+            aliases = rec.ext_alias_outs
+            if aliases is None or id(t) not in aliases:
+                return (t, _version(t))
         FLAGS.bypass += 1
         try:
-            key = _storage_key(t)
-            if key is not None:
-                rec = self.record
-                if rec is not None:
-                    base = rec.base_by_key.get(key)
-                    if base is not None and not rec.exited:
-                        return rec.handle_in_scope(base, t)
-                else:
-                    hit = self.local.get(key)  # type: ignore[union-attr]
-                    if hit is not None:
-                        h = hit[0].handle_after_exit(hit[1], t)
-                        if h is not None:
-                            return h
-            outer = self.outer
-            if outer is not None:
-                if is_our_hook(outer):
-                    return outer[0](t)
-                return _Delegated(outer[1], outer[0](t))
-            # Never return the tensor itself: for an op's output that would be a
-            # reference cycle through its grad_fn.
-            return t.detach()
+            with torch._C.DisableTorchFunctionSubclass():
+                return (t.detach(), _version(t))
         finally:
             FLAGS.bypass -= 1
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         tp = type(packed)
+        if tp is tuple:
+            # Autograd checks versions only of tensors it keeps itself.
+            return _check_version(*packed)
         if tp is _Handle:
             return packed.record.unpack(packed)
-        if tp is _Delegated:
-            return packed.unpack(packed.packed)
-        return packed
+        return packed.unpack(packed.packed)
 
 
 def is_our_hook(top: tuple[Any, Any] | None) -> bool:
@@ -833,11 +898,11 @@ def _collect(
 ) -> None:
     if type(a) is ScopeOutput:
         tag = tag_of(a)
-        if tag is not None and not tag.record.closed and not (
-            foreign and tag.record.mixed
-        ):
-            key = a.untyped_storage()._cdata
-            local[key] = (tag.record, tag.record.slot_base[tag.slot])
+        if tag is None:
+            return
+        rec = tag[1]
+        if not rec.closed and not (foreign and rec.mixed):
+            local[a.untyped_storage()._cdata] = (rec, rec.slot_base[tag[2]])
     elif type(a) is list or type(a) is tuple:
         for x in a:
             if type(x) is ScopeOutput:

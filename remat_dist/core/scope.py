@@ -102,6 +102,12 @@ class _RecordMode(TorchDispatchMode):
         super().__init__()
         self.record = record
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No torch._dynamo.disable wrapper around every call: a scope records
+        # eager code only, and the wrapper costs microseconds per operator.
+        return False
+
     def __torch_dispatch__(
         self,
         func: Any,

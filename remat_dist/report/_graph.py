@@ -66,7 +66,8 @@ def tensor_storages(t: torch.Tensor) -> list[tuple[StorageKey, int, torch.Tensor
             continue
         try:
             storage = p.untyped_storage()
-            out.append(((p.device, storage.data_ptr()), storage.nbytes(), p))
+            # keyed by the storage object (see remat_dist.core._record.storage_key)
+            out.append(((p.device, storage._cdata), storage.nbytes(), p))
         except (RuntimeError, NotImplementedError, TypeError):
             continue
     return out
