@@ -302,6 +302,53 @@ def run_single_process(cfg: BenchConfig, dim: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of every live plain tensor's storage (each once), found through gc."""
+    import gc
+    import warnings
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated module proxies
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
+            try:
+                s = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def run_steady_state(steps: int = 100, dim: int = 64) -> dict[str, Any]:
+    """Train ``steps`` steps with save regions and persisted outputs; after each
+    backward record the live checkpoint records and all live tensor bytes. Both
+    must be flat: nothing saved outlives its backward."""
+    from remat_dist.core import live_records
+
+    gcfg = GPTConfig(vocab_size=256, seq_len=32, dim=dim, n_heads=4, n_layers=2)
+    model = GPT(gcfg)
+    model.block_runner = _runner_remat_attention()
+    optim = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    records, live = [], []
+    for step in range(steps):
+        tokens, targets = make_batch(gcfg, 4, seed=step)
+        model.loss(tokens, targets).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        del tokens, targets
+        records.append(len(live_records()))
+        live.append(_live_tensor_bytes())
+    model.block_runner = None
+    return {
+        "steps": steps,
+        "live_records_after_backward": {"first": records[0], "max": max(records), "last": records[-1]},
+        "live_tensor_bytes_after_backward": {"first": live[1], "max": max(live[1:]), "last": live[-1]},
+        "flat": max(records) == 0 and max(live[1:]) == min(live[1:]),
+    }
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:9.2f}"
 
@@ -351,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--variants", nargs="+", default=None, help="subset to run")
+    parser.add_argument("--steady-steps", type=int, default=100, help="steady-state steps (0: skip)")
     parser.add_argument("--json", default=None, help="write results to this path")
     args = parser.parse_args(argv)
     cfg = BenchConfig(
@@ -370,10 +418,25 @@ def main(argv: list[str] | None = None) -> int:
     for dim in cfg.dims:
         rows += run_single_process(cfg, dim)
     print(format_table(rows))
+    steady = None
+    if args.steady_steps:
+        steady = run_steady_state(args.steady_steps)
+        lr, lb = steady["live_records_after_backward"], steady["live_tensor_bytes_after_backward"]
+        print(
+            f"\nsteady state over {steady['steps']} steps (attention kept, persisted "
+            f"outputs): live records after backward max {lr['max']}; live tensor bytes "
+            f"after backward first {lb['first']:,} max {lb['max']:,} last {lb['last']:,}"
+            f" -> {'flat' if steady['flat'] else 'GROWING'}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"config": asdict(cfg), "environment": environment(), "rows": rows},
+                {
+                    "config": asdict(cfg),
+                    "environment": environment(),
+                    "rows": rows,
+                    "steady_state": steady,
+                },
                 f,
                 indent=2,
             )
