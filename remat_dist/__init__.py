@@ -25,7 +25,9 @@ from remat_dist.distributed import (
     DeviceRNGStateHook,
     DTensorRNGStateHook,
     GeneratorStateHook,
+    check_plan_consistency,
     default_state_hooks,
+    set_replay_timeout,
 )
 from remat_dist.errors import (
     CollectiveReplayError,
@@ -62,6 +64,8 @@ from remat_dist.report import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "check_plan_consistency",
+    "set_replay_timeout",
     "TensorParallelPlan",
     "apply_remat",
     "reference_tp_plan",

@@ -304,6 +304,7 @@ class _Phase:
             if self.replay:
                 record._cursor = 0
                 record.replay_count += 1
+                record.stopped_early = False
                 # Like torch's fork_rng: replay must not disturb the state that the
                 # rest of backward (and the next step) sees.
                 self._outside = _snapshot(record, "replay start")
@@ -323,9 +324,10 @@ class _Phase:
         record = self.record
         frame_token, inputs_token = self._tokens.pop()
         try:
-            if exc_type is torch_checkpoint._StopRecomputationError:
-                exc = None
             if self.replay:
+                record.stopped_early = exc_type is torch_checkpoint._StopRecomputationError
+                if record.stopped_early:
+                    exc = None
                 _restore(record, self._outside, "replay end")
                 self._outside = ()
             else:
@@ -344,12 +346,15 @@ class _Phase:
 
 
 class _RegionCall:
-    __slots__ = ("fn", "name", "recompute", "__wrapped__")
+    __slots__ = ("fn", "name", "recompute", "collectives", "__wrapped__")
 
-    def __init__(self, fn: Callable[..., Any], name: str, recompute: bool) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], name: str, recompute: bool, collectives: str | None
+    ) -> None:
         self.fn = fn
         self.name = name
         self.recompute = recompute
+        self.collectives = collectives
         self.__wrapped__ = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -363,7 +368,13 @@ class _RegionCall:
         return _region_forward(record, self, args, kwargs)
 
 
-def region(fn: Callable[..., Any], name: str, *, recompute: bool) -> Callable[..., Any]:
+def region(
+    fn: Callable[..., Any],
+    name: str,
+    *,
+    recompute: bool,
+    collectives: str | None = None,
+) -> Callable[..., Any]:
     """Mark a call inside a checkpoint: ``region(fn, name, recompute=...)(*args)``.
 
     ``recompute=False`` (a save region) keeps what the call saves for backward on the
@@ -371,6 +382,10 @@ def region(fn: Callable[..., Any], name: str, *, recompute: bool) -> Callable[..
     from the record where replay needs them. ``recompute=True`` reruns it (the
     default for any code in a checkpoint; useful for names in traces and to persist
     save-region outputs the call consumes). Outside a checkpoint: a plain call.
+
+    ``collectives="save"`` keeps the outputs of the collectives this call issues, so
+    that its replay issues no communication (the checkpoint's ``collectives=``
+    option, for this region only; read by ``remat_dist.distributed``).
     """
     if not callable(fn):
         raise RematUsageError(
@@ -387,7 +402,12 @@ def region(fn: Callable[..., Any], name: str, *, recompute: bool) -> Callable[..
             f"remat_dist.region(fn, {name!r}, recompute=...): recompute must be True "
             f"or False, got {recompute!r} ({type(recompute).__name__})."
         )
-    return _RegionCall(fn, name, recompute)
+    if collectives not in (None, "replay", "save"):
+        raise RematUsageError(
+            f"remat_dist.region(fn, {name!r}, collectives=...): must be None, 'replay' "
+            f"or 'save', got {collectives!r}."
+        )
+    return _RegionCall(fn, name, recompute, collectives)
 
 
 def _region_plain(call: _RegionCall, args: tuple[Any, ...], kwargs: dict) -> Any:
@@ -433,6 +453,7 @@ def _region_forward(
         index=len(record.regions),
         parent=None if parent is None else parent.index,
         inside_save=inside_save,
+        collectives=call.collectives,
     )
     record.regions.append(rr)
     record._names.add(qual)

@@ -126,6 +126,8 @@ class RegionRecord:
     parent: int | None
     inside_save: bool
     """True for a region nested in a save region: it never runs on replay."""
+    collectives: str | None = None
+    """The region's ``collectives=`` option (None: the checkpoint's)."""
     descendants: int = 0
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     """Forward outputs (strong refs only while the forward runs)."""
@@ -153,6 +155,8 @@ class CheckpointRecord:
         input_entries: metadata of the tensor arguments (kept by torch's frame).
         options: checkpoint options the layers above read (``collectives``, ...).
         extensions: per-observer data (the distributed ledger lives here).
+        stopped_early: whether the last replay stopped before the function's end
+            (torch's early stop: everything backward needs was recomputed).
     """
 
     __slots__ = (
@@ -166,6 +170,7 @@ class CheckpointRecord:
         "forward_done",
         "replaying",
         "replay_count",
+        "stopped_early",
         "_cursor",
         "_stack",
         "_names",
@@ -189,6 +194,7 @@ class CheckpointRecord:
         self.forward_done = False
         self.replaying = False
         self.replay_count = 0
+        self.stopped_early = False
         self._cursor = 0
         self._stack: list[RegionRecord] = []
         self._names: set[str] = set()

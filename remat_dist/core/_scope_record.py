@@ -17,7 +17,10 @@ How a scope keeps its tensors out of autograd's saved tensors:
   (same tensor, a ``__torch_function__`` subclass). An operator outside the scope
   that consumes one pushes the pack hook for that call only and pops it after, so
   later uses are protected too while no hook stays installed, and code that never
-  touches a scope output pays nothing.
+  touches a scope output pays nothing. Exceptions, where the output is saved as
+  usual because something else holds it anyway: inside another scope (it is that
+  scope's input) and under ``torch.utils.checkpoint`` (its input, and its forward
+  and recompute must save the same tensors).
 * The first unpack of a handle in a backward pass replays the recorded operators
   that tensor depends on, in recorded order, under the recorded RNG and autocast
   state; other replayed tensors that saved handles still need are kept for the rest
@@ -74,6 +77,7 @@ def recording_record() -> ScopeRecord | None:
     if active is None or active.thread != threading.get_ident():
         return None
     return active.record
+
 
 _LIVE: weakref.WeakSet[ScopeRecord] = weakref.WeakSet()
 
@@ -853,7 +857,7 @@ class PackHooks:
         # Kept as usual. Holding an op's own output here would be a reference
         # cycle through its grad_fn; inside a scope the record knows the last op's
         # outputs, so only those (outputs aliasing outside tensors) are detached.
-        if rec is not None:
+        if rec is not None and key is not None and recording_record() is rec:
             aliases = rec.ext_alias_outs
             if aliases is None or id(t) not in aliases:
                 return (t, _version(t))

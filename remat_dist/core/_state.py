@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["current_frame", "is_recomputing", "frame_var", "hooks_var", "name_prefix_var"]
 
-frame_var: ContextVar["CheckpointRecord | None"] = ContextVar(
+frame_var: ContextVar[CheckpointRecord | None] = ContextVar(
     "remat_dist_frame", default=None
 )
 """The checkpoint whose forward or replay is running in this context, if any."""
@@ -27,7 +27,7 @@ hooks_var: ContextVar[tuple[Any, ...]] = ContextVar("remat_dist_hooks", default=
 """The stack of ``remat_dist.saved_tensors_hooks`` active in this context."""
 
 
-def current_frame() -> "CheckpointRecord | None":
+def current_frame() -> CheckpointRecord | None:
     """The checkpoint frame running in this context, or None."""
     return frame_var.get()
 

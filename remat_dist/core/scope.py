@@ -33,10 +33,14 @@ entered inside a scope is refused by the checkpoint (it reads
 :func:`active_scope_depth`). ``torch.utils.checkpoint`` works both inside a scope
 and around one.
 
-Limits: eager mode only (not under ``torch.compile``); tensors without a storage
-(sparse, nested) and tensors of other ``__torch_function__`` subclasses are kept as
-usual; higher-order gradients through a scope's recomputed tensors are not
-supported.
+Double backward (``create_graph=True``) works: autograd attaches a recomputed
+tensor to the graph node it was saved from.
+
+Limits: eager mode only (not under ``torch.compile``). Kept as usual (correct, no
+memory saved): tensors without a storage (sparse, nested) or of other tensor
+subclasses (DTensor), and scope outputs that a custom ``autograd.Function`` saves
+after the scope (``Function.apply`` does not go through ``__torch_function__``). A
+scope entered with gradients disabled does nothing.
 """
 
 from __future__ import annotations

@@ -1,10 +1,20 @@
 """Rank-aware pieces of remat_dist, plugged into the core through its seams.
 
-Importing this package (``import remat_dist`` does) installs the default state-hook
-provider: with a process group, ``checkpoint`` keeps this rank's RNG aligned on
-replay without user code (see :func:`default_state_hooks`).
+Importing this package (``import remat_dist`` does) attaches, with a process group:
+
+* the collective ledger: every checkpoint records the collectives its forward
+  issues; replay checks each one before issuing it (``collectives="replay"``) or
+  issues none and serves the kept outputs (``collectives="save"``); divergence
+  raises :class:`~remat_dist.errors.CollectiveReplayError` on every rank;
+* plan consistency (:func:`check_plan_consistency`, ``verify_plan=True``);
+* the default state hooks: ``checkpoint`` keeps this rank's RNG aligned on replay
+  without user code (see :func:`default_state_hooks`).
+
+Without an initialised process group none of it costs anything.
 """
 
+from remat_dist.distributed._plan import check_plan_consistency
+from remat_dist.distributed._replay import ledger_of, set_replay_timeout
 from remat_dist.distributed.rng import (
     CPURNGStateHook,
     DeviceRNGStateHook,
@@ -14,6 +24,7 @@ from remat_dist.distributed.rng import (
     install_default_provider,
     rank_device,
 )
+from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
 install_default_provider()
 
@@ -30,6 +41,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'remat_dist.distributed' has no attribute {name!r}")
 
 __all__ = [
+    "CollectiveReplayError",
+    "PlanMismatchError",
+    "check_plan_consistency",
+    "ledger_of",
+    "set_replay_timeout",
     "CPURNGStateHook",
     "DTensorRNGStateHook",
     "DeviceRNGStateHook",

@@ -7,7 +7,7 @@ disagreement, a rank that never comes, or a rank that failed turns into a
 :class:`~remat_dist.errors.CollectiveReplayError` on *every* rank instead of a rank
 blocked in a collective until the watchdog kills the job.
 
-One round (``exchange``) for a key ``k`` on rank ``r`` of an ``n``-rank group::
+One round (``_round``) for a key ``k`` on rank ``r`` of an ``n``-rank group::
 
     set(k/v/r, value); c = add(k/n, 1)
     if c == n:  vals = multi_get(k/v/*); set(k/done, verdict(vals))   # last to arrive
@@ -15,12 +15,16 @@ One round (``exchange``) for a key ``k`` on rank ``r`` of an ``n``-rank group::
 
 so O(1) store requests per rank (4-5 round trips) and O(n) work on the last rank to
 arrive only; the verdict is "ok" or the JSON of every rank's value. On timeout the
-ranks that never wrote ``k/v/r`` are named. Keys are ``<prefix>/<group>/<kind>/
-<label>/<occurrence>``: the occurrence counts the rounds this process did for that
-label and kind, so ranks that skip or repeat a replay end up waiting on different
-keys and time out rather than pair with the wrong round. The previous occurrence's
+ranks that never wrote ``k/v/r`` are named. Keys are
+``<prefix>/<group>/<n>/<kind>/<label>/<occurrence>``: ``n`` numbers the agreements
+made for that group in this process; the occurrence counts the rounds this process
+did for that label and kind, so ranks that skip or repeat a replay end up waiting on
+different keys and time out rather than pair with the wrong round. The previous occurrence's
 keys are deleted once every rank has moved past it (each rank deletes its own
 value, the last to arrive the counter and the verdict), so the store does not grow.
+
+Cost of a round on 2 ranks: about 0.2 ms on a ``TCPStore`` over loopback (a store
+round trip is ~25 us there), about 5 ms on a ``FileStore`` (its ``wait`` polls).
 """
 
 from __future__ import annotations
@@ -61,8 +65,14 @@ class ReplayAgreement:
 
     _made: dict[tuple[str, str], int] = {}
 
-    def __init__(self, group: Any = None, *, timeout: float = 60.0, store: Any = None,
-                 prefix: str = "remat_dist/replay") -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        timeout: float = 60.0,
+        store: Any = None,
+        prefix: str = "remat_dist/replay",
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
@@ -78,18 +88,27 @@ class ReplayAgreement:
         ReplayAgreement._made[ident] = self.instance + 1
         if store is None:
             store = c10d._get_default_store()
-        self.store = dist.PrefixStore(f"{prefix}/{self.group_name}/{self.instance}",
-                                      store)
+        self.store = dist.PrefixStore(
+            f"{prefix}/{self.group_name}/{self.instance}", store
+        )
         self._occurrence: dict[tuple[str, str], int] = {}
         self.last_round_s = 0.0
 
     def __repr__(self) -> str:
-        return (f"ReplayAgreement(group='{self.group_name}', ranks={list(self.ranks)}, "
-                f"timeout={self.timeout})")
+        return (
+            f"ReplayAgreement(group='{self.group_name}', ranks={list(self.ranks)}, "
+            f"timeout={self.timeout})"
+        )
 
     # -- public rounds
-    def agree(self, label: str, fingerprint: str, *, rank_hint: int | None = None,
-              what: str = "the collectives to replay") -> None:
+    def agree(
+        self,
+        label: str,
+        fingerprint: str,
+        *,
+        rank_hint: int | None = None,
+        what: str = "the collectives to replay",
+    ) -> None:
         """All ranks hold the same ``fingerprint`` for ``label``, or all raise."""
         del rank_hint
         values, occ = self._round("agree", label, fingerprint)
@@ -101,8 +120,8 @@ class ReplayAgreement:
         ref = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))[0]
         differ = sorted(r for v, rs in groups.items() if v != ref for r in rs)
         lines = [
-            f"  ranks {rs}: {_fp_text(v)}" for v, rs in
-            sorted(groups.items(), key=lambda kv: kv[1][0])
+            f"  ranks {rs}: {_fp_text(v)}"
+            for v, rs in sorted(groups.items(), key=lambda kv: kv[1][0])
         ]
         err = CollectiveReplayError(
             f"rank {self.rank}, checkpoint '{label}' (replay #{occ}): the ranks of "
@@ -118,8 +137,9 @@ class ReplayAgreement:
 
     def conclude(self, label: str, status: str | None) -> None:
         """End of a replay: raise on every rank if any rank reports a ``status``."""
-        values, occ = self._round("conclude", label, "" if status is None else status,
-                                  judge=_judge_status)
+        values, occ = self._round(
+            "conclude", label, "" if status is None else status, judge=_judge_status
+        )
         if values is None:
             return
         failed = sorted(r for r, v in values.items() if v)
@@ -133,8 +153,9 @@ class ReplayAgreement:
         raise err
 
     # -- the round
-    def _round(self, kind: str, label: str, value: str, judge: Any = None
-               ) -> tuple[dict[int, str] | None, int]:
+    def _round(
+        self, kind: str, label: str, value: str, judge: Any = None
+    ) -> tuple[dict[int, str] | None, int]:
         t0 = time.perf_counter()
         ident = (kind, label)
         occ = self._occurrence.get(ident, 0)
@@ -146,9 +167,14 @@ class ReplayAgreement:
         arrived = st.add(f"{base}/n", 1)
         if arrived == n:
             keys = [f"{base}/v/{r}" for r in self.ranks]
-            vals = {r: v.decode() for r, v in zip(self.ranks, st.multi_get(keys))}
+            vals = {
+                r: v.decode()
+                for r, v in zip(self.ranks, st.multi_get(keys), strict=True)
+            }
             bad = (judge or _judge_equal)(vals)
-            verdict = _OK if not bad else json.dumps({str(r): v for r, v in vals.items()})
+            verdict = (
+                _OK if not bad else json.dumps({str(r): v for r, v in vals.items()})
+            )
             st.set(f"{base}/done", verdict)
             if occ:
                 prev = f"{kind}/{label}/{occ - 1}"

@@ -1,0 +1,222 @@
+"""Distributed replay guarantees on real gloo ranks: the ledger, verified replay,
+comm-free replay, plan consistency; divergence raises on every rank, never hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import remat_dist as remat
+from remat_dist.core import live_records
+from remat_dist.distributed import ledger_of
+from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
+from remat_dist.models import GPT, GPTConfig, make_batch
+from remat_dist.models.gpt import Block
+from remat_dist.testing import DistContext, distributed
+
+BOUND_S = 30.0  # every rank must raise well within this
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=3)
+
+
+def _tp_gpt(mesh, policy, collectives):
+    model = GPT(CONFIG)
+    if policy is not None:
+        remat.apply_remat(model, blocks=Block, policy=policy, collectives=collectives)
+    remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    return model
+
+
+def _step(model):
+    """Forward + backward; grads (local shards), backward collectives, ledgers."""
+    tokens, targets = make_batch(CONFIG, 4, seed=3)
+    loss = model.loss(tokens, targets)
+    states = [ledger_of(r) for r in live_records() if r.name.startswith("layers.")]
+    states = [s for s in states if s is not None]
+    counter = RecordCollectives()
+    with observe_collectives(counter):
+        loss.backward()
+    grads = {n: getattr(p.grad, "_local_tensor", p.grad).clone() for n, p in model.named_parameters()}
+    return grads, [e.op for e in counter.ledger.entries], states
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_tp_replay_and_comm_free_replay(ctx: DistContext):
+    ref, ref_ops, _ = _step(_tp_gpt(ctx.mesh, None, "replay"))
+    assert len(ref_ops) == 12  # 3 blocks x 4 column-wise layers: input-grad all-reduces
+
+    grads, ops, states = _step(_tp_gpt(ctx.mesh, "full", "replay"))
+    assert all(torch.equal(ref[n], grads[n]) for n in ref)
+    forward = [len(s.ledger) for s in states]
+    replayed = [s.replays[-1]["issued"] for s in states]
+    assert forward == [2, 2, 2]  # the row-wise all-reduces of attention and MLP
+    # each forward collective replayed at most once, and backward issues exactly
+    # the no-checkpoint collectives plus the replayed ones
+    assert all(0 < r <= f for r, f in zip(replayed, forward))
+    assert len(ops) == len(ref_ops) + sum(replayed)
+
+    grads, ops, states = _step(_tp_gpt(ctx.mesh, "full", "save"))
+    assert all(torch.equal(ref[n], grads[n]) for n in ref)
+    assert len(ops) == len(ref_ops)  # comm-free: nothing replayed
+    assert [s.replays[-1]["issued"] for s in states] == [0, 0, 0]
+    assert all(s.replays[-1]["served"] > 0 for s in states)
+    kept = sum(s.ledger.kept_nbytes for s in states)
+    assert kept == 3 * 2 * 4 * CONFIG.seq_len * CONFIG.dim * 4  # the kept outputs
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_tp_attention_saved_skips_its_collectives_on_replay(ctx: DistContext):
+    ref, ref_ops, _ = _step(_tp_gpt(ctx.mesh, None, "replay"))
+    grads, ops, states = _step(_tp_gpt(ctx.mesh, {"attention": "save"}, "replay"))
+    assert all(torch.equal(ref[n], grads[n]) for n in ref)
+    # attention's all-reduce is inside the save region: skipped with it
+    assert all(s.spans for s in states)
+    assert len(ops) == len(ref_ops) + sum(s.replays[-1]["issued"] for s in states)
+    assert all(s.replays[-1]["issued"] <= 1 for s in states)
+
+
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
+def test_2d_fsdp_tp_replay_modes_equal_reference(ctx: DistContext):
+    def build(policy, collectives):
+        model = GPT(CONFIG)
+        if policy is not None:
+            remat.apply_remat(model, blocks=Block, policy=policy, collectives=collectives)
+        remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+        return model
+
+    ref, ref_ops, _ = _step(build(None, "replay"))
+    for mode in ("replay", "save"):
+        grads, ops, states = _step(build("full", mode))
+        assert all(torch.equal(ref[n], grads[n]) for n in ref), mode
+        assert all(s.fsdp_collectives == 0 for s in states)  # FSDP hooks are outside
+        if mode == "save":
+            assert ops == ref_ops
+        else:
+            assert len(ops) == len(ref_ops) + sum(s.replays[-1]["issued"] for s in states)
+
+
+# --- divergence: every rank raises within the bound ---------------------------
+
+
+def _tp_mlp(mesh):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _run_expecting(ctx, fn, error, *patterns):
+    t0 = time.perf_counter()
+    with pytest.raises(error) as ei:
+        fn()
+    elapsed = time.perf_counter() - t0
+    assert elapsed < BOUND_S, elapsed
+    for p in patterns:
+        assert p in str(ei.value), str(ei.value)
+    # the group is still usable afterwards
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ctx.world_size
+
+
+@distributed(world_size=2, mesh_shape=(2,))
+def test_rank_dependent_save_decision_plan_mismatch(ctx: DistContext):
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        h = remat.region(mlp, "mlp", recompute=ctx.rank == 1)(t)
+        remat.recompute_needs_tensor(h)
+        return h.tanh()
+
+    def run():
+        remat.checkpoint(region_name="plan_mismatch_blk", verify_plan=True)(body)(x)
+
+    _run_expecting(ctx, run, remat.PlanMismatchError, "plan_mismatch_blk::mlp", "ranks [1]")
+
+
+@distributed(world_size=2, mesh_shape=(2,))
+def test_rank_dependent_save_decision_without_plan_check_raises_on_every_rank(ctx):
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        t = (t * 2).sin()
+        h = remat.region(mlp, "mlp", recompute=ctx.rank == 1)(t)
+        remat.recompute_needs_tensor(h)
+        return mlp(h.tanh()).cos()
+
+    def run():
+        remat.checkpoint(region_name="diverge_save_blk")(body)(x).sum().backward()
+
+    _run_expecting(ctx, run, remat.CollectiveReplayError, "diverge_save_blk")
+
+
+@distributed(world_size=2, mesh_shape=(2,))
+def test_data_dependent_extra_collective_on_one_rank(ctx: DistContext):
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        if remat.is_recomputing() and ctx.rank == 1:
+            dist.all_reduce(torch.ones(3))  # only rank 1, only on replay
+        return mlp(t.sin()).cos()
+
+    def run():
+        remat.checkpoint(region_name="extra_coll_blk")(body)(x).sum().backward()
+
+    _run_expecting(ctx, run, remat.CollectiveReplayError, "extra_coll_blk", "1")
+
+
+@distributed(world_size=2, mesh_shape=(2,))
+def test_shape_change_on_one_rank(ctx: DistContext):
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def body(t):
+        h = t @ w
+        n = 5 if (remat.is_recomputing() and ctx.rank == 0) else 4
+        buf = torch.ones(n)
+        dist.all_reduce(buf)
+        return (h * buf[:4, None]).sin()
+
+    def run():
+        remat.checkpoint(region_name="shape_blk")(body)(x).sum().backward()
+
+    _run_expecting(ctx, run, remat.CollectiveReplayError, "shape_blk", "[5]")
+
+
+@distributed(world_size=2)
+def test_check_plan_consistency_step_level(ctx: DistContext):
+    from remat_dist.distributed._plan import _log
+
+    _log.take()  # forget what earlier tests in this pool ran
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        return remat.region(torch.sin, "act", recompute=True)(t).cos()
+
+    remat.checkpoint(region_name="step_plan_a")(body)(x).sum().backward()
+    remat.check_plan_consistency()  # same plan everywhere: passes
+    name = "step_plan_b" if ctx.rank == 0 else "step_plan_c"
+    remat.checkpoint(region_name=name)(body)(x).sum().backward()
+    _run_expecting(
+        ctx, remat.check_plan_consistency, remat.PlanMismatchError, "first difference"
+    )
+
+
+def test_no_process_group_records_nothing():
+    assert not dist.is_initialized()
+    x = torch.randn(4, 8, requires_grad=True)
+    out = remat.checkpoint(region_name="single")(lambda t: t.sin().cos())(x)
+    rec = [r for r in live_records() if r.name == "single"][-1]
+    assert ledger_of(rec) is None
+    out.sum().backward()
+    remat.check_plan_consistency()  # a no-op
