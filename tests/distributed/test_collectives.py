@@ -1,0 +1,622 @@
+"""The collective ledger on real gloo ranks: observe, verify, serve, agree.
+
+Every test body runs on 2 (or 4) long-lived rank processes of the harness. "Issued"
+is checked against gloo's own count of collectives
+(``ProcessGroup._get_sequence_number_for_group``), so "every collective is seen"
+and "serving issues none" are measured, not assumed. Divergence tests end with a
+real all_reduce to show the process group is still healthy for the next test.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from remat_dist.distributed._collectives import (
+    CollectiveLedger,
+    RecordCollectives,
+    ServeCollectives,
+    TensorMeta,
+    VerifyCollectives,
+    interception_key,
+    observe_collectives,
+)
+from remat_dist.distributed._ledger_agreement import ReplayAgreement
+from remat_dist.errors import CollectiveReplayError
+from remat_dist.testing import distributed
+
+
+def _seq(group=None) -> int:
+    return (group or dist.group.WORLD)._get_sequence_number_for_group()
+
+
+def _ops(ledger: CollectiveLedger) -> list[str]:
+    return [e.op for e in ledger]
+
+
+def _agreement(ctx, timeout: float = 20.0) -> ReplayAgreement:
+    # shared_dir is unique per call and equal on every rank: a fresh key space.
+    return ReplayAgreement(timeout=timeout, prefix=f"test{ctx.shared_dir}")
+
+
+def _healthy(ctx) -> None:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ctx.world_size
+
+
+# ----------------------------------------------------------------- no process group
+
+
+def test_observe_without_process_group_is_a_plain_block():
+    if dist.is_initialized():
+        pytest.skip("this pytest process has a process group")
+    rec = RecordCollectives()
+    with observe_collectives(rec) as obs:
+        assert obs is rec
+        assert torch.add(torch.ones(2), 1).sum().item() == 4.0
+    assert len(rec.ledger) == 0
+
+
+def test_tensor_meta_text():
+    assert str(TensorMeta.of(torch.zeros(2, 3))) == "f32[2, 3]"
+    assert str(TensorMeta.of(torch.zeros(4, dtype=torch.bfloat16))) == "bf16[4]"
+
+
+# ------------------------------------------------------------------------- sources
+
+
+@distributed(world_size=2)
+def test_c10d_ops_recorded(ctx):
+    r, ws = ctx.rank, ctx.world_size
+    s0 = _seq()
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        x = torch.full((4,), r + 1.0)
+        dist.all_reduce(x)
+        out = torch.empty(8)
+        dist.all_gather_into_tensor(out, torch.full((4,), float(r)))
+        lst = [torch.empty(2) for _ in range(ws)]
+        dist.all_gather(lst, torch.ones(2))
+        rs = torch.empty(3)
+        dist.reduce_scatter_tensor(rs, torch.ones(6), op=dist.ReduceOp.MAX)
+        dist.broadcast(torch.ones(5, dtype=torch.float64), src=0)
+        dist.all_reduce(torch.ones(2), async_op=True).wait()
+        dist.barrier()
+        if r == 0:
+            dist.send(torch.ones(2), 1)
+        else:
+            dist.recv(torch.empty(2), 0)
+    assert _seq() - s0 == len(rec.ledger) == 8
+    assert _ops(rec.ledger) == [
+        "allreduce_",
+        "_allgather_base_",
+        "allgather_",
+        "_reduce_scatter_base_",
+        "broadcast_",
+        "allreduce_",
+        "barrier",
+        "send" if r == 0 else "recv_",
+    ]
+    e0, e1, _, e3, e4 = rec.ledger.entries[:5]
+    assert [e.position for e in rec.ledger] == list(range(8))
+    assert e0.group_name == dist.group.WORLD.group_name
+    assert e0.group_ranks == (0, 1)
+    assert e0.inputs == (TensorMeta((4,), torch.float32, torch.device("cpu")),)
+    assert dict(e0.params) == {"reduce_op": "SUM"}
+    assert [m.shape for m in e1.inputs] == [(4,)] and [m.shape for m in e1.outputs] == [
+        (8,)
+    ]
+    assert dict(e3.params) == {"reduce_op": "MAX"}
+    assert e4.inputs[0].dtype == torch.float64 and dict(e4.params)["root_rank"] == 0
+    assert x.tolist() == [3.0] * 4  # recording changes nothing
+    # p2p and rank-dependent ops differ per rank; the fingerprint does not
+    assert len(set(ctx.all_gather_object(rec.ledger.fingerprint()))) == 1
+
+
+@distributed(world_size=2)
+def test_functional_collectives_recorded_and_waited(ctx):
+    r = ctx.rank
+    s0 = _seq()
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        a = funcol.all_reduce(torch.ones(3) * (r + 1), "sum", dist.group.WORLD)
+        g = funcol.all_gather_tensor(torch.full((2,), float(r)), 0, dist.group.WORLD)
+        s = funcol.reduce_scatter_tensor(torch.arange(4.0), "sum", 0, dist.group.WORLD)
+        t = funcol.all_to_all_single(
+            torch.arange(4.0), [2, 2], [2, 2], dist.group.WORLD
+        )
+        a, g, s, t = (funcol.wait_tensor(v) for v in (a, g, s, t))
+    assert _seq() - s0 == len(rec.ledger) == 4
+    assert _ops(rec.ledger) == [
+        "allreduce_",
+        "allgather_into_tensor_coalesced_",
+        "reduce_scatter_tensor_coalesced_",
+        "alltoall_base_",
+    ]
+    assert rec.ledger[1].outputs[0].shape == (4,)
+    assert dict(rec.ledger[3].params)["input_split_sizes"] == (2, 2)
+    assert a.tolist() == [3.0] * 3 and g.tolist() == [0, 0, 1, 1]
+    assert s.tolist() == ([0.0, 2.0] if r == 0 else [4.0, 6.0])
+
+
+def _tp_model(mesh):
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.LayerNorm(8),
+        torch.nn.Linear(8, 16),
+        torch.nn.GELU(),
+        torch.nn.Linear(16, 8),
+    )
+    return parallelize_module(
+        m,
+        mesh,
+        {
+            "0": SequenceParallel(),
+            "1": ColwiseParallel(),
+            "3": RowwiseParallel(),
+        },
+    )
+
+
+@distributed(world_size=2)
+def test_dtensor_tensor_parallel_recorded(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    group = mesh.get_group()
+    model = _tp_model(mesh)
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    s0 = _seq(group)
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        model(x).sum().backward()  # SP -> colwise all-gather, rowwise all-reduce, ...
+        a = DTensor.from_local(torch.randn(2, 4), mesh, [Shard(0)])
+        b = DTensor.from_local(torch.randn(2, 4), mesh, [Shard(0)])
+        torch.mm(a, b)  # redistributes b inside DTensor's __torch_dispatch__
+    assert _seq(group) - s0 == len(rec.ledger) == 5
+    assert _ops(rec.ledger) == [
+        "allgather_into_tensor_coalesced_",  # forward: Shard(1) -> Replicate
+        "allreduce_",  # forward: rowwise Partial -> Replicate
+        "allgather_into_tensor_coalesced_",  # backward
+        "reduce_scatter_tensor_coalesced_",  # backward: grad back to Shard(1)
+        "allgather_into_tensor_coalesced_",  # the implicit redistribution of b
+    ]
+    assert all(e.group_name == group.group_name for e in rec.ledger)
+    assert rec.ledger[1].inputs[0].shape == (2, 4, 8)
+
+
+@distributed(world_size=2)
+def test_fsdp2_recorded(ctx):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    )
+    fully_shard(m[0])
+    fully_shard(m[2])
+    fully_shard(m)
+    s0 = _seq()
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        m(torch.randn(3, 8)).sum().backward()
+    assert _seq() - s0 == len(rec.ledger)
+    ops = _ops(rec.ledger)
+    assert (
+        ops.count("_allgather_base_") >= 2 and ops.count("_reduce_scatter_base_") == 2
+    )
+    assert ops[-1] == "_reduce_scatter_base_"
+    first_rs = rec.ledger[ops.index("_reduce_scatter_base_")]
+    assert first_rs.outputs[0].shape[0] * 2 == first_rs.inputs[0].shape[0]
+    assert dict(first_rs.params)["reduce_op"] == "AVG"
+
+
+@distributed(world_size=2)
+def test_subgroup_identity_and_nesting(ctx):
+    sub = dist.new_group([0, 1])
+    outer, inner = RecordCollectives(), RecordCollectives()
+    with observe_collectives(outer):
+        dist.all_reduce(torch.ones(1))
+        with observe_collectives(inner):
+            dist.all_reduce(torch.ones(2), group=sub)
+        dist.all_reduce(torch.ones(3))
+    dist.all_reduce(torch.ones(4))  # outside: not recorded
+    assert [e.inputs[0].shape for e in outer.ledger] == [(1,), (2,), (3,)]
+    assert [e.inputs[0].shape for e in inner.ledger] == [(2,)]
+    assert inner.ledger[0].group_name == sub.group_name != dist.group.WORLD.group_name
+    assert inner.ledger[0].group_ranks == (0, 1)
+
+
+@distributed(world_size=2)
+def test_extent_is_thread_local_and_toggles_the_key(ctx):
+    key = torch._C._parse_dispatch_key(interception_key() or "Fake")
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        if interception_key() == "Fake":
+            assert torch._C._dispatch_tls_is_dispatch_key_included(key)
+        seen = []
+        th = threading.Thread(
+            target=lambda: seen.append(
+                torch._C._dispatch_tls_is_dispatch_key_included(key)
+            )
+        )
+        th.start()
+        th.join()
+        assert seen == [False] or interception_key() != "Fake"
+        th = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)))
+        th.start()
+        th.join()
+    assert len(rec.ledger) == 0  # the other thread's collective is not this extent's
+    if interception_key() == "Fake":
+        assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+
+
+# -------------------------------------------------------------------------- verify
+
+
+def _workload(rank: int, variant: str = "same") -> torch.Tensor:
+    """A few collectives of each kind; ``variant`` changes one of them."""
+    x = torch.full((4,), rank + 1.0)
+    dist.all_reduce(x)
+    n = 8 if variant == "shape" else 4
+    g = torch.empty(2 * n)
+    dist.all_gather_into_tensor(g, torch.full((n,), float(rank)))
+    w = dist.all_reduce(torch.ones(3), async_op=True)
+    w.wait()
+    dtype = torch.float64 if variant == "dtype" else torch.float32
+    f = funcol.all_reduce(
+        torch.ones(2, dtype=dtype) * (rank + 1), "sum", dist.group.WORLD
+    )
+    if variant == "op":
+        dist.broadcast(torch.ones(2), src=0)
+    else:
+        dist.all_reduce(
+            torch.ones(2),
+            op=dist.ReduceOp.MAX if variant == "param" else dist.ReduceOp.SUM,
+        )
+    if variant == "extra":
+        dist.all_reduce(torch.ones(1))
+    return torch.cat([x, g, funcol.wait_tensor(f).float()])
+
+
+def _record(rank: int, keep: bool = False) -> tuple[CollectiveLedger, torch.Tensor]:
+    rec = RecordCollectives(keep_outputs=keep)
+    with observe_collectives(rec):
+        out = _workload(rank)
+    return rec.ledger, out
+
+
+@distributed(world_size=2)
+def test_verify_identical_replay_passes(ctx):
+    ledger, first = _record(ctx.rank)
+    s0 = _seq()
+    v = VerifyCollectives(ledger, label="layers.0")
+    with observe_collectives(v):
+        again = _workload(ctx.rank)
+    v.finish()
+    assert v.issued == len(ledger) == 5 == _seq() - s0
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize(
+    "variant,position,expected,actual",
+    [
+        ("shape", 1, "in=[f32[4]] out=[f32[8]]", "in=[f32[8]] out=[f32[16]]"),
+        ("dtype", 3, "in=[f32[2]]", "in=[f64[2]]"),
+        ("op", 4, "allreduce_ on group", "broadcast_ on group"),
+        ("param", 4, "reduce_op=SUM", "reduce_op=MAX"),
+        ("extra", 5, "nothing (the forward issued 5 collective(s))", "allreduce_"),
+    ],
+)
+@distributed(world_size=2)
+def test_verify_raises_before_issuing(ctx, variant, position, expected, actual):
+    ledger, _ = _record(ctx.rank)
+    v = VerifyCollectives(ledger, label="layers.3")
+    s0 = _seq()
+    with pytest.raises(CollectiveReplayError) as info:
+        with observe_collectives(v):
+            _workload(ctx.rank, variant)
+    msg = str(info.value)
+    assert f"rank {ctx.rank}, checkpoint 'layers.3'" in msg
+    assert f"collective #{position} of the replay" in msg
+    exp_line = next(ln for ln in msg.splitlines() if "expected:" in ln)
+    act_line = next(ln for ln in msg.splitlines() if "actual:" in ln)
+    assert expected in exp_line and actual in act_line
+    assert "collectives='save'" in msg  # names the fix
+    assert _seq() - s0 == position  # the differing collective was not issued
+    _healthy(ctx)
+
+
+@distributed(world_size=2)
+def test_verify_finish_names_missing_entries(ctx):
+    ledger, _ = _record(ctx.rank)
+    v = VerifyCollectives(ledger, label="blk")
+    with observe_collectives(v):
+        dist.all_reduce(torch.full((4,), 1.0))
+    with pytest.raises(
+        CollectiveReplayError, match=r"ended after 1 of the forward's 5"
+    ):
+        v.finish()
+    assert "#1: _allgather_base_" in str(v._failed)
+    short = VerifyCollectives(ledger, label="blk")
+    with observe_collectives(short):
+        dist.all_reduce(torch.full((4,), 1.0))
+    short.finish(complete=False)  # an early stop on purpose is not an error
+
+
+@distributed(world_size=2)
+def test_verify_inside_torch_checkpoint_recompute_with_early_stop(ctx):
+    from torch.utils.checkpoint import checkpoint
+
+    ledger = CollectiveLedger()
+    observers: list = [RecordCollectives(ledger)]
+
+    def fn(x):
+        with observe_collectives(observers.pop(0)):
+            a = x * 2
+            dist.all_reduce(a)
+            b = a.sin()
+            dist.all_reduce(b.detach().clone())  # trailing: early stop skips it
+            return b
+
+    x = torch.randn(4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y = checkpoint(fn, x, use_reentrant=False)
+    assert _ops(ledger) == ["allreduce_", "allreduce_"]
+    v = VerifyCollectives(ledger, label="ckpt")
+    observers.append(v)
+    s0 = _seq()
+    y.sum().backward()
+    assert v.position == 1 and _seq() - s0 == 1  # recompute stopped after #0
+    assert v._failed is None
+    # autograd does not see the all_reduce: d sin(a)/dx = 2 cos(a), a = 2 x * world
+    assert torch.allclose(x.grad, 2 * torch.cos(2 * ctx.world_size * x))
+
+
+# --------------------------------------------------------------------------- serve
+
+
+@distributed(world_size=2)
+def test_serve_issues_nothing_and_returns_the_same_values(ctx):
+    ledger, first = _record(ctx.rank, keep=True)
+    assert all(e.kept is not None for e in ledger)
+    assert ledger.kept_nbytes > 0
+    s0 = _seq()
+    s = ServeCollectives(ledger, label="blk")
+    with observe_collectives(s):
+        served = _workload(ctx.rank)
+    s.finish()
+    assert _seq() - s0 == 0 and s.issued == 0 and s.served == 5
+    assert torch.equal(first, served)
+    with pytest.raises(CollectiveReplayError, match="of the serving differs"):
+        with observe_collectives(ServeCollectives(ledger, label="blk")):
+            _workload(ctx.rank, "shape")
+    _healthy(ctx)
+
+
+@distributed(world_size=2)
+def test_serve_reissues_point_to_point(ctx):
+    def work():
+        x = torch.full((2,), ctx.rank + 1.0)
+        dist.all_reduce(x)
+        buf = torch.arange(3.0) if ctx.rank == 0 else torch.empty(3)
+        if ctx.rank == 0:
+            dist.send(buf, 1)
+        else:
+            dist.recv(buf, 0)
+        return torch.cat([x, buf])
+
+    rec = RecordCollectives(keep_outputs=True)
+    with observe_collectives(rec):
+        first = work()
+    assert [e.kept is not None for e in rec.ledger] == [True, False]
+    s0 = _seq()
+    s = ServeCollectives(rec.ledger, label="pp")
+    with observe_collectives(s):
+        again = work()
+    s.finish()
+    assert (s.served, s.issued) == (1, 1)  # both ends re-issue the transfer
+    assert _seq() - s0 == 1
+    assert torch.equal(first, again)
+
+
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
+def test_fingerprint_is_rank_invariant_on_a_2d_mesh(ctx):
+    tp, dp = ctx.mesh["tp"].get_group(), ctx.mesh["dp"].get_group()
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        dist.all_reduce(torch.ones(4), group=tp)
+        funcol.all_gather_tensor(torch.ones(2), 0, dp).wait()
+    tp_ranks = ctx.all_gather_object(rec.ledger[0].group_ranks)
+    assert tp_ranks == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert len(set(ctx.all_gather_object(rec.ledger.fingerprint()))) == 1
+    ag = _agreement(ctx)
+    v = VerifyCollectives(rec.ledger, label="blk", agreement=ag)
+    with observe_collectives(v):
+        dist.all_reduce(torch.ones(4), group=tp)
+        funcol.all_gather_tensor(torch.ones(2), 0, dp).wait()
+    v.finish()  # agreed and concluded over the 4 ranks
+
+
+@distributed(world_size=2)
+def test_serve_fsdp2_forward_and_backward(ctx):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    )
+    fully_shard(m[0])
+    fully_shard(m[2])
+    fully_shard(m)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def step():
+        m.zero_grad()
+        out = m(x)
+        out.sum().backward()
+        return out.detach(), [p.grad.to_local().clone() for p in m.parameters()]
+
+    step()  # lazy initialisation happens once, outside the ledger
+    rec = RecordCollectives(keep_outputs=True)
+    with observe_collectives(rec):
+        out0, grads0 = step()
+    s0 = _seq()
+    s = ServeCollectives(rec.ledger, label="fsdp")
+    with observe_collectives(s):
+        out1, grads1 = step()
+    s.finish()
+    assert _seq() - s0 == 0 and s.served == len(rec.ledger) > 0
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+
+
+@distributed(world_size=2)
+def test_serve_tensor_parallel_forward_and_backward(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = _tp_model(mesh)
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def step():
+        model.zero_grad()
+        out = model(x)
+        out.sum().backward()
+        return out.detach(), [p.grad.to_local().clone() for p in model.parameters()]
+
+    rec = RecordCollectives(keep_outputs=True)
+    with observe_collectives(rec):
+        out0, grads0 = step()
+    s0 = _seq(mesh.get_group())
+    s = ServeCollectives(rec.ledger, label="tp")
+    with observe_collectives(s):
+        out1, grads1 = step()
+    s.finish()
+    assert _seq(mesh.get_group()) - s0 == 0 and s.served == len(rec.ledger) == 4
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+
+
+# ---------------------------------------------------------------------- agreement
+
+
+@distributed(world_size=2)
+def test_agreement_passes_and_raises_on_every_rank(ctx):
+    ag = _agreement(ctx, timeout=20.0)
+    for _ in range(3):
+        ag.agree("layers.0", "abc:2")
+        ag.conclude("layers.0", None)
+    t0 = time.perf_counter()
+    with pytest.raises(CollectiveReplayError) as info:
+        ag.agree("layers.0", "abc:2" if ctx.rank == 0 else "def:3")
+    assert time.perf_counter() - t0 < 5.0  # a verdict, not the timeout
+    msg = str(info.value)
+    assert f"rank {ctx.rank}, checkpoint 'layers.0'" in msg
+    assert "ranks [0]: ledger abc (2 collectives)" in msg
+    assert "ranks [1]: ledger def (3 collectives)" in msg
+    with pytest.raises(CollectiveReplayError, match=r"failed on ranks \[1\]"):
+        ag.conclude("layers.0", "boom on rank 1" if ctx.rank == 1 else None)
+    _healthy(ctx)
+
+
+@distributed(world_size=2)
+def test_agreement_times_out_naming_the_absent_rank(ctx):
+    ag = _agreement(ctx, timeout=1.0)
+    if ctx.rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(
+            CollectiveReplayError, match=r"ranks \[1\] of group"
+        ) as info:
+            ag.agree("layers.7", "abc:1")
+        assert 0.9 < time.perf_counter() - t0 < 5.0
+        assert "did not reach this replay's start within 1 s" in str(info.value)
+    ctx.barrier()
+
+
+@distributed(world_size=2)
+def test_agreement_deletes_old_rounds(ctx):
+    ag = _agreement(ctx)
+    for _ in range(5):
+        ag.agree("blk", "x:1")
+    ctx.barrier()
+    store = ag.store
+    assert not store.check(["agree/blk/0/n"]) and not store.check(["agree/blk/2/v/0"])
+    assert store.check(["agree/blk/4/done"])
+
+
+# -------------------------------------------------- divergence in the middle of a replay
+
+
+@pytest.mark.parametrize("how", ["first", "extra", "shape", "skip", "raise"])
+@distributed(world_size=2)
+def test_mid_replay_divergence_raises_on_every_rank(ctx, how):
+    """Rank 1 diverges after one good collective; rank 0 follows the ledger and would
+    block in collective #1 forever. Rank 1 releases it; both raise, fast."""
+    ledger, _ = _record(ctx.rank)
+    v = VerifyCollectives(ledger, label="layers.2", agreement=_agreement(ctx, 30.0))
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as info:
+        with observe_collectives(v):
+            if ctx.rank == 0:
+                _workload(0)
+            elif how == "first":
+                dist.broadcast(torch.ones(4), src=0)
+            else:
+                dist.all_reduce(torch.full((4,), 2.0))
+                if how == "extra":
+                    dist.all_reduce(torch.ones(1))
+                elif how == "shape":
+                    dist.all_gather_into_tensor(torch.empty(6), torch.ones(3))
+                elif how == "raise":
+                    raise ValueError("data-dependent failure on rank 1")
+        v.finish()
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10.0, elapsed  # released, not the 30 s timeout
+    err = info.value
+    if how == "raise" and ctx.rank == 1:
+        assert isinstance(err, ValueError)  # its own error is the clearer one
+    else:
+        assert isinstance(err, CollectiveReplayError), repr(err)
+        msg = str(err)
+        assert "checkpoint 'layers.2'" in msg and "ranks [1]" in msg
+        if how == "first":
+            assert "[rank 1] rank 1, checkpoint 'layers.2': collective #0" in msg
+            assert "actual:   broadcast_" in msg
+        elif how in ("extra", "shape"):
+            assert "[rank 1] rank 1, checkpoint 'layers.2': collective #1" in msg
+            assert "expected: _allgather_base_" in msg
+        elif how == "skip":
+            assert "ended after 1 of the forward's 5" in msg
+        else:
+            assert "ValueError: data-dependent failure on rank 1" in msg
+    _healthy(ctx)
+
+
+@distributed(world_size=2)
+def test_op_timeout_bounds_a_collective_no_peer_joins(ctx):
+    sub = dist.new_group([0, 1])  # this group is left broken: nothing else uses it
+    rec = RecordCollectives()
+    with observe_collectives(rec):
+        dist.all_reduce(torch.ones(2), group=sub)
+    if ctx.rank == 0:
+        v = VerifyCollectives(rec.ledger, label="blk", op_timeout=1.0)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            with observe_collectives(v):
+                dist.all_reduce(torch.ones(2), group=sub)
+        assert 0.9 < time.perf_counter() - t0 < 6.0
+    ctx.barrier()
