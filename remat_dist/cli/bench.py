@@ -399,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--variants", nargs="+", default=None, help="subset to run")
     parser.add_argument("--steady-steps", type=int, default=100, help="steady-state steps (0: skip)")
+    parser.add_argument(
+        "--dist", type=int, default=2, help="ranks for the distributed part (0: skip)"
+    )
+    parser.add_argument("--dist-iters", type=int, default=8)
     parser.add_argument("--json", default=None, help="write results to this path")
     args = parser.parse_args(argv)
     cfg = BenchConfig(
@@ -428,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
             f"after backward first {lb['first']:,} max {lb['max']:,} last {lb['last']:,}"
             f" -> {'flat' if steady['flat'] else 'GROWING'}"
         )
+    distributed = None
+    if args.dist:
+        from remat_dist.cli.bench_dist import format_dist_table, run_distributed_bench
+
+        distributed = run_distributed_bench(args.dist, iters=args.dist_iters)
+        print(f"\ndistributed ({args.dist} gloo ranks, torchrun):")
+        print(format_dist_table(distributed))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -436,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                     "environment": environment(),
                     "rows": rows,
                     "steady_state": steady,
+                    "distributed": distributed,
                 },
                 f,
                 indent=2,

@@ -26,6 +26,7 @@ from remat_dist.core._record import (
 )
 from remat_dist.core._state import is_recomputing
 from remat_dist.core._types import RecomputeStateHook, SavedTensorInfo, SavedTensorKind
+from remat_dist.core.scope import active_scope_depth, gradient_checkpoint_scope
 
 __all__ = [
     "CheckpointObserver",
@@ -35,7 +36,9 @@ __all__ = [
     "SavedTensorInfo",
     "SavedTensorKind",
     "checkpoint",
+    "active_scope_depth",
     "current_saved_tensor_info",
+    "gradient_checkpoint_scope",
     "is_placeholder",
     "is_recomputing",
     "live_records",

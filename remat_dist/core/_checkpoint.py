@@ -82,9 +82,10 @@ def checkpoint(
             (torchtitan-style ``layers.0``). Defaults to ``fn``'s name.
         recompute_state_hooks: :class:`RecomputeStateHook` s kept aligned across
             replay (RNG generators, counters). ``None`` (default) takes the
-            default set: none in a single process, and
-            ``remat_dist.distributed.default_state_hooks()`` (this rank's RNG) when
-            a process group exists. Pass ``()`` for none at all.
+            default set installed by ``remat_dist.distributed``: this rank's RNG
+            (``default_state_hooks()``) with a process group, the CPU generator
+            (plus an initialised accelerator's) in a single process, so dropout
+            replays exactly. Pass ``()`` for none at all.
         saved_tensors_hooks: hooks applied to what this checkpoint keeps: its
             inputs, save-region saves and persisted outputs.
         determinism_check: ``"none"`` or ``"default"`` (torch's metadata check of

@@ -218,8 +218,16 @@ class _Base:
 class _Handle:
     """What autograd keeps instead of a scope tensor: how to get it back."""
 
-    __slots__ = ("record", "base", "size", "stride", "offset", "dtype", "flags",
-                 "writes")
+    __slots__ = (
+        "record",
+        "base",
+        "size",
+        "stride",
+        "offset",
+        "dtype",
+        "flags",
+        "writes",
+    )
 
     def __init__(self, record: ScopeRecord, base: int, t: torch.Tensor, writes: int):
         self.record = record
@@ -485,8 +493,17 @@ class ScopeRecord:
             if rng is not None:
                 self.rng_bytes += rng[1].numel() * rng[1].element_size()
             self.ops.append(
-                _Op(func, tuple(eargs), ekwargs, tuple(outs), seq, deps, reads, rng,
-                    autocast)
+                _Op(
+                    func,
+                    tuple(eargs),
+                    ekwargs,
+                    tuple(outs),
+                    seq,
+                    deps,
+                    reads,
+                    rng,
+                    autocast,
+                )
             )
         return out
 
@@ -715,8 +732,10 @@ class ScopeRecord:
             for _, s in op.outs:
                 b = self.slot_base[s]
                 bb = self.bases[b]
-                if bb.root_slot == s and bb.last_writer in need and (
-                    b == target or bb.handles > 0
+                if (
+                    bb.root_slot == s
+                    and bb.last_writer in need
+                    and (b == target or bb.handles > 0)
                 ):
                     keep[s] = b
         frees: dict[int, list[int]] = {}
@@ -857,10 +876,13 @@ class PackHooks:
         # Kept as usual. Holding an op's own output here would be a reference
         # cycle through its grad_fn; inside a scope the record knows the last op's
         # outputs, so only those (outputs aliasing outside tensors) are detached.
-        if rec is not None and key is not None and recording_record() is rec:
-            aliases = rec.ext_alias_outs
-            if aliases is None or id(t) not in aliases:
-                return (t, _version(t))
+        if key is not None and type(t) is torch.Tensor:
+            if t.is_leaf:
+                return (t, _version(t))  # a leaf is no op's output
+            if rec is not None and recording_record() is rec:
+                aliases = rec.ext_alias_outs
+                if aliases is None or id(t) not in aliases:
+                    return (t, _version(t))
         FLAGS.bypass += 1
         try:
             with torch._C.DisableTorchFunctionSubclass():
@@ -897,9 +919,69 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
-def _collect(
-    a: Any, local: dict[int, tuple[ScopeRecord, int]], foreign: bool
-) -> None:
+def _metadata_functions() -> frozenset[Any]:
+    """Tensor attribute getters and methods that neither save nor alias a tensor:
+    a scope output answers them without the hook."""
+    base = torch._C.TensorBase
+    getters = [
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "requires_grad",
+        "grad_fn",
+        "is_leaf",
+        "ndim",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_nested",
+        "_version",
+        "names",
+        "output_nr",
+        "_base",
+        "grad",
+        "itemsize",
+        "nbytes",
+    ]
+    methods = [
+        "size",
+        "stride",
+        "dim",
+        "numel",
+        "storage_offset",
+        "data_ptr",
+        "untyped_storage",
+        "is_contiguous",
+        "element_size",
+        "get_device",
+        "is_floating_point",
+        "is_complex",
+        "is_conj",
+        "is_neg",
+        "__len__",
+        "nelement",
+        "is_inference",
+        "_is_view",
+    ]
+    found: set[Any] = set()
+    for name in getters:
+        desc = base.__dict__.get(name)
+        if desc is not None and hasattr(desc, "__get__"):
+            found.add(desc.__get__)
+    for name in methods:
+        fn = getattr(torch.Tensor, name, None)
+        if fn is not None:
+            found.add(fn)
+    return frozenset(found)
+
+
+_METADATA = _metadata_functions()
+
+
+def _collect(a: Any, local: dict[int, tuple[ScopeRecord, int]], foreign: bool) -> None:
     if type(a) is ScopeOutput:
         tag = tag_of(a)
         if tag is None:
@@ -949,6 +1031,8 @@ class ScopeOutput(torch.Tensor):
             if tp is not cls and tp.__torch_function__ is not _DISABLED_TF:
                 return NotImplemented
         with torch._C.DisableTorchFunctionSubclass():
+            if func in _METADATA:
+                return func(*args, **kwargs)
             local: dict[int, tuple[ScopeRecord, int]] | None = None
             top = None
             # Inside another scope the output is an input of that scope, which

@@ -147,7 +147,7 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
         with gradient_checkpoint_scope() as scope:
             noisy_w = w + torch.randn_like(w) * 0.01
         y = x @ noisy_w               # noisy_w is not stored for backward
-        print(scope.kept_bytes())     # RNG snapshot (+ w, read from outside)
+        print(scope.kept_bytes())     # the RNG snapshot (w is a leaf: alive anyway)
 
     A scope object can be entered once.
     """

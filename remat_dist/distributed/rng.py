@@ -471,7 +471,7 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return ()
+        return _single_process_hooks()
     # A group whose only backend is gloo is a CPU run, also on a machine with an
     # accelerator (the test harness, CPU launches). The hooks hold no per-call
     # state: reuse one set per device (resolved per call, so a set_device after
@@ -483,12 +483,38 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     return hooks
 
 
+_single: dict[str, tuple[RecomputeStateHook, ...]] = {}
+
+
+def _single_process_hooks() -> tuple[RecomputeStateHook, ...]:
+    """One process: the CPU generator, plus the current accelerator's generator once
+    that accelerator is initialised (never initialising it), as
+    ``torch.utils.checkpoint``'s ``preserve_rng_state`` covers both. Dropout then
+    replays exactly by default, never silently differently."""
+    acc = _accelerator_type()
+    initialized = False
+    if acc is not None:
+        module = torch.get_device_module(acc)
+        is_init = getattr(module, "is_initialized", None)
+        initialized = bool(is_init()) if callable(is_init) else False
+    key = acc if initialized else "cpu"
+    hooks = _single.get(key)
+    if hooks is None:
+        hooks = (CPURNGStateHook(),)
+        if initialized:
+            hooks += (DeviceRNGStateHook(),)
+        _single[key] = hooks
+    return hooks
+
+
 def install_default_provider() -> None:
     """Make :func:`default_state_hooks` the state hooks of ``checkpoint`` by default.
 
     After this, a checkpoint called with ``recompute_state_hooks=None`` (the
     default) gets this rank's RNG hooks while a ``torch.distributed`` process group
-    is initialised, and no hooks otherwise (the single-process behaviour). A
+    is initialised, and in a single process the CPU generator (plus the current
+    accelerator's, once initialised), so dropout never replays silently
+    differently. A
     default group whose only backend is gloo counts as a CPU run:
     ``default_state_hooks("cpu")``, the CPU generator, even where an accelerator is
     present (CUDA tensors over gloo need explicit hooks).

@@ -152,10 +152,28 @@ def test_default_state_hooks_on_cpu_is_one_cpu_hook():
         assert sum(h.nbytes(h.snapshot()) for h in hooks) == CPU_STATE_NBYTES
 
 
-def test_provider_gives_no_hooks_without_process_group(restore_provider):
+def test_provider_without_process_group_keeps_the_cpu_generator(restore_provider):
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
     install_default_provider()
-    assert _record.default_state_hooks_for_checkpoint() == ()
+    hooks = _record.default_state_hooks_for_checkpoint()
+    assert isinstance(hooks[0], CPURNGStateHook)
+    if not torch.cuda.is_initialized():
+        assert len(hooks) == 1
+
+
+def test_default_checkpoint_replays_dropout_exactly_in_one_process():
+    # no hooks passed: the default keeps the CPU generator, gradients are exact
+    def f(x):
+        return torch.nn.functional.dropout(x @ W, 0.5).tanh()
+
+    torch.manual_seed(3)
+    x = X0.clone().requires_grad_()
+    f(x).sum().backward()
+    ref = x.grad
+    torch.manual_seed(3)
+    x = X0.clone().requires_grad_()
+    remat.checkpoint(region_name="c")(f)(x).sum().backward()
+    assert torch.equal(ref, x.grad)
 
 
 # --- replay exactness through remat_dist.checkpoint --------------------------------

@@ -1,0 +1,272 @@
+"""The distributed part of ``python -m remat_dist bench``: communication, bytes and
+time on real gloo ranks, side by side, in one run.
+
+For a tensor-parallel and an FSDP2 reference run of the GPT (same model, same data
+on every rank of a replica), four variants run interleaved: no checkpointing,
+``torch.utils.checkpoint`` per block, remat_dist with verified replay
+(``collectives="replay"``) and remat_dist comm-free replay (``"save"``). Per
+variant: collectives issued in forward and in backward by kind, the replayed ones
+(backward minus no checkpointing), all-gathers in backward, saved bytes per rank,
+median step time and its ratio to no checkpointing. Then the ledger's own costs:
+per collective (record, verify), and the agreement round per replay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+VARIANTS = ("none", "torch.utils.checkpoint", "remat replay", "remat save")
+
+
+def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+    import torch.utils.checkpoint as tuc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import remat_dist as remat
+    from remat_dist.models import GPT, GPTConfig
+    from remat_dist.models.gpt import Block
+
+    world = dist.get_world_size()
+    config = GPTConfig(
+        vocab_size=256, seq_len=cfg["seq"], dim=cfg["dim"], n_heads=4, n_layers=cfg["layers"]
+    )
+    model = GPT(config)
+    if variant == "remat replay":
+        remat.apply_remat(model, blocks=Block, collectives="replay")
+    elif variant == "remat save":
+        remat.apply_remat(model, blocks=Block, collectives="save")
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        remat.shard_model(model, mesh, blocks=Block)
+    if variant == "torch.utils.checkpoint":
+        model.block_runner = lambda block, x, name: tuc.checkpoint(block, x, use_reentrant=False)
+    return model, config
+
+
+def _count_saved(model: Any) -> Any:
+    """An outermost ``remat_dist.saved_tensors_hooks`` summing unique non-parameter
+    storages (DTensors by their local shard): checkpoint inputs, save-region saves,
+    persisted outputs and plain saves, for every variant alike."""
+    import contextlib
+
+    import remat_dist as remat
+    from remat_dist.core._record import plain
+
+    params = {plain(p).untyped_storage()._cdata for p in model.parameters()}
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        storages: dict[int, int] = {}
+
+        def pack(t: Any) -> Any:
+            s = plain(t).untyped_storage()
+            if s._cdata not in params and not isinstance(plain(t), __import__("torch").nn.Parameter):
+                storages[s._cdata] = s.nbytes()
+            return t
+
+        with remat.saved_tensors_hooks(pack, lambda t: t):
+            yield storages
+
+    return counting()
+
+
+def _kinds(ledger: Any) -> dict[str, int]:
+    return dict(Counter(e.op for e in ledger.entries))
+
+
+def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Runs on every rank; returns this rank's measurements."""
+    import torch.distributed as dist
+
+    from remat_dist.distributed._collectives import (
+        RecordCollectives,
+        observe_collectives,
+    )
+    from remat_dist.models import make_batch
+
+    models = {v: _build(layout, v, cfg) for v in VARIANTS}
+    dp_rank = dist.get_rank() if layout == "fsdp" else 0
+    out: dict[str, Any] = {}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for it in range(cfg["warmup"] + cfg["iters"]):
+        for v in VARIANTS[it % len(VARIANTS):] + VARIANTS[: it % len(VARIANTS)]:
+            model, config = models[v]
+            tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model.loss(tokens, targets).backward()
+            elapsed = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            if it >= cfg["warmup"]:
+                times[v].append(elapsed)
+    for v in VARIANTS:
+        model, config = models[v]
+        tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
+        fwd, bwd = RecordCollectives(), RecordCollectives()
+        with observe_collectives(fwd), _count_saved(model) as storages:
+            loss = model.loss(tokens, targets)
+        saved = sum(storages.values())
+        with observe_collectives(bwd):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        out[v] = {
+            "forward": _kinds(fwd.ledger),
+            "backward": _kinds(bwd.ledger),
+            "saved_bytes": saved,
+            "time_s": statistics.median(times[v]),
+        }
+    out["ledger_cost_us"] = _ledger_costs(cfg["iters"] * 20)
+    return out
+
+
+def _ledger_costs(n: int) -> dict[str, float]:
+    """Per-collective cost of recording and verifying, and one agreement round."""
+    import torch
+    import torch.distributed as dist
+
+    from remat_dist.distributed._collectives import (
+        CollectiveLedger,
+        RecordCollectives,
+        VerifyCollectives,
+        observe_collectives,
+    )
+    from remat_dist.distributed._ledger_agreement import ReplayAgreement
+
+    t = torch.ones(1)
+
+    def timed(ctx_factory: Any) -> float:
+        dist.barrier()
+        samples = []
+        for _ in range(5):
+            with ctx_factory():
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    dist.all_reduce(t)
+                samples.append((time.perf_counter() - t0) / n)
+        return statistics.median(samples) * 1e6
+
+    import contextlib
+
+    bare = timed(contextlib.nullcontext)
+    record = timed(lambda: observe_collectives(RecordCollectives()))
+    ledger = RecordCollectives()
+    with observe_collectives(ledger):
+        for _ in range(n):
+            dist.all_reduce(t)
+
+    def verify() -> Any:
+        return observe_collectives(
+            VerifyCollectives(CollectiveLedger(ledger.ledger.entries * 5), label="bench")
+        )
+
+    verified = timed(verify)
+    agreement = ReplayAgreement(prefix="remat_dist/bench")
+    rounds = []
+    for i in range(20):
+        t0 = time.perf_counter()
+        agreement.agree(f"bench{i}", "fp")
+        rounds.append(time.perf_counter() - t0)
+    return {
+        "all_reduce_bare": bare,
+        "record_extra": record - bare,
+        "verify_extra": verified - bare,
+        "agreement_round": statistics.median(rounds) * 1e6,
+    }
+
+
+def _torchrun_main(json_path: str, cfg: dict[str, Any]) -> None:
+    """One rank of the benchmark under torchrun: both layouts; rank 0 writes JSON."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        results = {}
+        for layout in ("tp", "fsdp"):
+            mine = bench_rank(layout, cfg)
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, mine)
+            for v in VARIANTS:
+                mine[v]["saved_bytes_per_rank"] = [r[v]["saved_bytes"] for r in per_rank]
+            results[layout] = mine
+        if dist.get_rank() == 0:
+            with open(json_path, "w") as f:
+                json.dump({"world_size": dist.get_world_size(), "config": cfg, "layouts": results}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed_bench(world_size: int = 2, **cfg: Any) -> dict[str, Any]:
+    """Both layouts on ``world_size`` local CPU ranks started by ``torchrun``
+    (its TCPStore, as in real jobs); rank 0's measurements plus every rank's saved
+    bytes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    defaults = {"seq": 64, "dim": 128, "layers": 4, "batch": 4, "iters": 8, "warmup": 2}
+    defaults.update(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dist.json")
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(world_size), "-m", "remat_dist.cli.bench_dist",
+            path, json.dumps(defaults),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"distributed benchmark failed:\n{proc.stderr[-4000:]}")
+        with open(path) as f:
+            return json.load(f)
+
+
+def format_dist_table(result: dict[str, Any]) -> str:
+    lines = []
+    head = (
+        f"{'layout':<6} {'variant':<24} {'fwd coll':>8} {'bwd coll':>8} {'replayed':>8} "
+        f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'time ms':>8} {'x none':>6}"
+    )
+    lines += [head, "-" * len(head)]
+    for layout, res in result["layouts"].items():
+        base_bwd = sum(res["none"]["backward"].values())
+        base_t = res["none"]["time_s"]
+        for v in VARIANTS:
+            r = res[v]
+            bwd = sum(r["backward"].values())
+            gathers = sum(n for op, n in r["backward"].items() if "allgather" in op)
+            saved = "/".join(f"{b / 1024:.0f}" for b in r["saved_bytes_per_rank"])
+            lines.append(
+                f"{layout:<6} {v:<24} {sum(r['forward'].values()):>8} {bwd:>8} "
+                f"{bwd - base_bwd:>8} {gathers:>15} {saved:>16} {r['time_s'] * 1e3:>8.1f} "
+                f"{r['time_s'] / base_t:>6.3f}"
+            )
+    costs = result["layouts"]["tp"]["ledger_cost_us"]
+    lines.append(
+        f"\nledger cost (rank 0, 1-float all_reduce {costs['all_reduce_bare']:.0f} us bare): "
+        f"record +{costs['record_extra']:.0f} us, verify +{costs['verify_extra']:.0f} us per "
+        f"collective; agreement round {costs['agreement_round']:.0f} us per replayed checkpoint"
+    )
+    kinds = result["layouts"]["tp"]["remat replay"]["backward"]
+    lines.append(f"tp backward collectives by kind (remat replay): {kinds}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    _torchrun_main(sys.argv[1], json.loads(sys.argv[2]))
