@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks: scripts/gpu_check.sh [PYTEST ARGS...]
 #
-# Runs the tests marked `gpu` (CUDA RNG snapshots, per-rank device choice, DTensor's
-# CUDA RNG tracker) and prints a summary. They need a CUDA build of torch, which the
+# One short command (under 5 minutes) on a CUDA machine: the tests marked `gpu`
+# (CUDA RNG snapshots, per-rank device choice, DTensor's CUDA RNG tracker, OOM
+# observer, NCCL report gather), a 1-GPU benchmark of the core (time and peak CUDA
+# memory vs torch.utils.checkpoint) and, with 2+ GPUs, the launcher on NCCL; then
+# one summary table. Outputs go to $OUT (default: a temporary folder). They need a CUDA build of torch, which the
 # project's .venv (pinned to the CPU build) does not have on a CPU machine, so the
 # interpreter is, in order: $PYTHON; .venv/bin/python if its torch sees CUDA;
 # python3 on PATH if its torch sees CUDA; else .venv as it is (set up the way
@@ -42,11 +45,50 @@ EOF
 rc=$?
 [[ $rc -ne 0 ]] && exit "$rc"
 
+OUT="${OUT:-$(mktemp -d)}"
+declare -a SUMMARY=()
+note() { SUMMARY+=("$(printf '%-26s %-5s %s' "$1" "$2" "$3")"); }
+
+# 1. the GPU-marked tests
 start=$SECONDS
-timeout 300 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "$@"
+timeout 180 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "$@" > "$OUT/pytest.txt" 2>&1
 rc=$?
-echo "=== GPU check: pytest exit code $rc in $((SECONDS - start)) s ==="
-if [[ $rc -eq 5 ]]; then
-    echo "no gpu test was collected" >&2
+tail -n 15 "$OUT/pytest.txt"
+note "pytest -m gpu" "$([[ $rc -eq 0 ]] && echo ok || echo FAIL)" \
+    "$(grep -E 'passed|failed|skipped' "$OUT/pytest.txt" | tail -n 1) ($((SECONDS - start)) s)"
+final=$rc
+
+# 2. 1-GPU core benchmark: time and peak CUDA memory vs torch.utils.checkpoint
+start=$SECONDS
+timeout 150 "$PY" -m remat_dist bench --device cuda --dims 512 64 --iters 10 \
+    --steady-steps 0 --dist 0 --json "$OUT/bench_gpu.json" > "$OUT/bench.txt" 2>&1
+rc=$?
+cat "$OUT/bench.txt"
+if [[ $rc -eq 0 ]]; then
+    line=$("$PY" "$ROOT/scripts/_bench_line.py" "$OUT/bench_gpu.json")
+    note "bench, 1 GPU" ok "$line ($((SECONDS - start)) s)"
+else
+    note "bench, 1 GPU" FAIL "exit $rc"
+    final=1
 fi
-exit "$rc"
+
+# 3. with 2+ GPUs: the launcher on NCCL
+ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [[ "$ngpu" -ge 2 ]]; then
+    start=$SECONDS
+    timeout 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        launchers/train.py --device cuda --steps 10 --report-json "$OUT/train.json" \
+        > "$OUT/train.txt" 2>&1
+    rc=$?
+    tail -n 12 "$OUT/train.txt"
+    note "launcher, 2 GPUs, NCCL" "$([[ $rc -eq 0 ]] && echo ok || echo FAIL)" \
+        "$(grep ' loss ' "$OUT/train.txt" | tail -n 1) ($((SECONDS - start)) s)"
+    [[ $rc -ne 0 ]] && final=1
+else
+    note "launcher, 2 GPUs, NCCL" skip "only $ngpu GPU visible"
+fi
+
+echo
+echo "=== remat_dist GPU check summary (outputs in $OUT) ==="
+printf '%s\n' "${SUMMARY[@]}"
+exit "$final"

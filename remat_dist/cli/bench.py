@@ -37,6 +37,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
+from remat_dist.core.scope import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
 
 __all__ = ["BenchConfig", "main", "run_single_process"]
@@ -64,6 +65,8 @@ class BenchConfig:
     """torch.set_num_threads (0: leave as is)."""
     variants: tuple[str, ...] = field(default_factory=lambda: tuple(VARIANTS))
     """Which variants to run (default: all available)."""
+    device: str = "cpu"
+    """Where the single-process part runs (``cuda``: CUDA times and peak memory)."""
 
 
 def _attention_kept(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +182,9 @@ def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int
 
     with remat.saved_tensors_hooks(pack, lambda t: t):
         loss = model.loss(tokens, targets)
-    total = sum(storages.values())
+    # a gradient_checkpoint_scope keeps its inputs in its own record, not via hooks
+    scopes = sum(r.kept_bytes() for r in live_scope_records())
+    total = sum(storages.values()) + scopes
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total
@@ -221,21 +226,29 @@ def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str
     }
 
 
+def _now(like: torch.Tensor) -> float:
+    """Wall time, after the device's queued work (CUDA times are real)."""
+    if like.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _forward_times(model: GPT, tokens: torch.Tensor, iters: int) -> dict[str, float]:
     """Median no-grad forward time of all blocks, and of all attention calls."""
-    x0 = (model.tok_emb(tokens) + model.pos_emb(torch.arange(tokens.shape[1]))).detach()
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    x0 = (model.tok_emb(tokens) + model.pos_emb(positions)).detach()
     blocks, attns = [], []
     with torch.no_grad():
         for _ in range(iters):
-            t0 = time.perf_counter()
+            t0 = _now(tokens)
             x = x0
             for b in model.layers:
                 x = b(x)
-            blocks.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            blocks.append(_now(tokens) - t0)
+            t0 = _now(tokens)
             for b in model.layers:
                 b.attention(x0)
-            attns.append(time.perf_counter() - t0)
+            attns.append(_now(tokens) - t0)
     return {"blocks": statistics.median(blocks), "attention": statistics.median(attns)}
 
 
@@ -248,16 +261,16 @@ def run_single_process(cfg: BenchConfig, dim: int) -> list[dict[str, Any]]:
         n_heads=cfg.heads if dim % cfg.heads == 0 else 1,
         n_layers=cfg.layers,
     )
-    model = GPT(gcfg)
-    tokens, targets = make_batch(gcfg, cfg.batch, seed=0)
+    model = GPT(gcfg, device=cfg.device)
+    tokens, targets = (t.to(cfg.device) for t in make_batch(gcfg, cfg.batch, seed=0))
     names = [v for v in cfg.variants if v in VARIANTS]
     runners = {name: VARIANTS[name]() for name in names}
 
     def step(name: str) -> float:
         model.block_runner = runners[name]
-        t0 = time.perf_counter()
+        t0 = _now(tokens)
         model.loss(tokens, targets).backward()
-        elapsed = time.perf_counter() - t0
+        elapsed = _now(tokens) - t0
         model.zero_grad(set_to_none=True)
         return elapsed
 
@@ -397,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=BenchConfig.iters)
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (single-process part)")
     parser.add_argument("--variants", nargs="+", default=None, help="subset to run")
     parser.add_argument("--steady-steps", type=int, default=100, help="steady-state steps (0: skip)")
     parser.add_argument(
@@ -414,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         iters=args.iters,
         warmup=args.warmup,
         threads=args.threads,
+        device=args.device,
         variants=tuple(args.variants) if args.variants else tuple(VARIANTS),
     )
     if cfg.threads:

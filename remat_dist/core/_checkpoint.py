@@ -91,8 +91,10 @@ def checkpoint(
         determinism_check: ``"none"`` or ``"default"`` (torch's metadata check of
             recomputed tensors).
         collectives: ``"replay"`` (re-issue collectives, each checked against the
-            forward's ledger), ``"save"`` (keep collective outputs, replay issues no
-            communication) or ``"verify"``; read by ``remat_dist.distributed``.
+            forward's ledger before it is issued), ``"save"`` (keep collective
+            outputs, replay issues no communication); ``"verify"`` is accepted as
+            another name of ``"replay"`` (every replay is verified). Read by
+            ``remat_dist.distributed``.
         verify_plan: check that every rank runs the same regions with the same
             decisions (``remat_dist.distributed``).
     """
