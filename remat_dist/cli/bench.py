@@ -39,6 +39,7 @@ import torch.utils.checkpoint as tuc
 import remat_dist as remat
 from remat_dist.core.scope import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
+from remat_dist.testing import SavedBytesCounter
 
 __all__ = ["BenchConfig", "main", "run_single_process"]
 
@@ -171,23 +172,13 @@ _RECOMPUTED = {
 
 
 def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with remat.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytesCounter(model.parameters()) as count:
         loss = model.loss(tokens, targets)
     # a gradient_checkpoint_scope keeps its inputs in its own record, not via hooks
     scopes = sum(r.kept_bytes() for r in live_scope_records())
-    total = sum(storages.values()) + scopes
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total
+    return count.activation_bytes + scopes
 
 
 def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:

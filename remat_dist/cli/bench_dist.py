@@ -50,33 +50,6 @@ def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
     return model, config
 
 
-def _count_saved(model: Any) -> Any:
-    """An outermost ``remat_dist.saved_tensors_hooks`` summing unique non-parameter
-    storages (DTensors by their local shard): checkpoint inputs, save-region saves,
-    persisted outputs and plain saves, for every variant alike."""
-    import contextlib
-
-    import remat_dist as remat
-    from remat_dist.core._record import plain
-
-    params = {plain(p).untyped_storage()._cdata for p in model.parameters()}
-
-    @contextlib.contextmanager
-    def counting() -> Any:
-        storages: dict[int, int] = {}
-
-        def pack(t: Any) -> Any:
-            s = plain(t).untyped_storage()
-            if s._cdata not in params and not isinstance(plain(t), __import__("torch").nn.Parameter):
-                storages[s._cdata] = s.nbytes()
-            return t
-
-        with remat.saved_tensors_hooks(pack, lambda t: t):
-            yield storages
-
-    return counting()
-
-
 def _kinds(ledger: Any) -> dict[str, int]:
     return dict(Counter(e.op for e in ledger.entries))
 
@@ -90,6 +63,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
         observe_collectives,
     )
     from remat_dist.models import make_batch
+    from remat_dist.testing import SavedBytesCounter
 
     models = {v: _build(layout, v, cfg) for v in VARIANTS}
     dp_rank = dist.get_rank() if layout == "fsdp" else 0
@@ -110,9 +84,9 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
         model, config = models[v]
         tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
         fwd, bwd = RecordCollectives(), RecordCollectives()
-        with observe_collectives(fwd), _count_saved(model) as storages:
+        with observe_collectives(fwd), SavedBytesCounter(model.parameters()) as count:
             loss = model.loss(tokens, targets)
-        saved = sum(storages.values())
+        saved = count.activation_bytes
         with observe_collectives(bwd):
             loss.backward()
         model.zero_grad(set_to_none=True)

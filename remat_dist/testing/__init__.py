@@ -41,6 +41,7 @@ from remat_dist.testing._pool import (
     run_distributed,
     shutdown_pools,
 )
+from remat_dist.testing._saved import SavedBytesCounter
 
 __all__ = [
     "DistContext",
@@ -48,6 +49,7 @@ __all__ = [
     "DistributedTimeoutError",
     "PoolStats",
     "RankFailure",
+    "SavedBytesCounter",
     "START_METHOD_ENV",
     "dist_context",
     "distributed",

@@ -14,6 +14,7 @@ import torch.utils.checkpoint as tuc
 import remat_dist as remat
 from remat_dist.core import live_records
 from remat_dist.core._types import SavedTensorKind
+from remat_dist.testing import SavedBytesCounter
 
 
 def _param(*shape: int, seed: int) -> torch.nn.Parameter:
@@ -206,22 +207,12 @@ def test_kwargs_multiple_outputs_none_namedtuple_and_no_grad_inputs():
 
 
 def _saved_bytes(run) -> int:
-    """Unique non-parameter storages seen by an outermost pack hook (which sees
-    checkpoint inputs, save-region saves and persisted outputs)."""
-    params = {p.untyped_storage().data_ptr() for p in PARAMS}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with remat.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes backward will need, by the independent counter (checkpoint inputs,
+    save-region saves and persisted outputs included; parameters apart)."""
+    with SavedBytesCounter(PARAMS) as count:
         out = run()
-    total = sum(storages.values())
     out.sum().backward()
-    return total
+    return count.activation_bytes
 
 
 def test_saved_bytes_all_recompute_equal_torch_checkpoint():

@@ -8,6 +8,7 @@ import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
 from remat_dist.models import GPT, GPTConfig, make_batch
+from remat_dist.testing import SavedBytesCounter
 
 
 class CPURNG:
@@ -81,44 +82,25 @@ def test_dropout_without_hook_differs():
 
 
 def saved_bytes(plan: str) -> int:
-    """Unique non-parameter storages packed by an outermost hook during forward."""
+    """Bytes backward will need after one forward (parameters apart)."""
     model = GPT(CONFIG)
     model.block_runner = runner(plan)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     tokens, targets = make_batch(CONFIG, 4, seed=1)
-    with remat.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytesCounter(model.parameters()) as count:
         loss = model.loss(tokens, targets)
-    total = sum(storages.values())
     loss.backward()
-    return total
+    return count.activation_bytes
 
 
 def attention_saves_bytes() -> int:
     """What one attention call saves for backward, measured on its own."""
     model = GPT(CONFIG)
     block = model.layers[0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randn(4, CONFIG.seq_len, CONFIG.dim)
     h = block.ln1(x.requires_grad_())
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytesCounter(model.parameters()) as count:
         block.attention(h)
-    return sum(storages.values())
+    return count.activation_bytes
 
 
 def test_saved_bytes_all_recompute_equal_torch_checkpoint():

@@ -62,38 +62,3 @@ def model_and_batch(
     model.block_runner = runner(plan, probe)
     tokens, targets = make_batch(config, batch_size, seed=seed)
     return model, tokens, targets
-
-
-def storage_key(t: torch.Tensor) -> tuple[Any, int]:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
-class IndependentCount:
-    """An outermost ``remat_dist.saved_tensors_hooks`` that sums unique storages.
-
-    It sees checkpoint inputs, save-region saves, persisted save-region outputs and
-    the saves of nodes outside checkpoints: exactly what backward keeps. Storages of
-    ``parameters`` are summed apart.
-    """
-
-    def __init__(self, parameters: Any) -> None:
-        self.parameter_keys = {storage_key(p) for p in parameters}
-        self.activations: dict[Any, int] = {}
-        self.parameters: dict[Any, int] = {}
-        self.hooks = remat.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        bucket = self.parameters if key in self.parameter_keys else self.activations
-        bucket[key] = t.untyped_storage().nbytes()
-        # detach: the same storage, without the output -> grad_fn reference cycle
-        # that keeping an op's own output would make
-        return t.detach()
-
-    @property
-    def activation_bytes(self) -> int:
-        return sum(self.activations.values())
-
-    @property
-    def parameter_bytes(self) -> int:
-        return sum(self.parameters.values())

@@ -16,14 +16,14 @@ from remat_dist.report import (
     print_saved_tensors_report,
     saved_tensors_summary,
 )
-from tests.report.plans import PLANS, IndependentCount, model_and_batch
+from remat_dist.testing import SavedBytesCounter
+from tests.report.plans import PLANS, model_and_batch
 
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_totals_equal_independent_count(plan):
     model, tokens, targets = model_and_batch(plan)
-    counter = IndependentCount(model.parameters())
-    with counter.hooks:
+    with SavedBytesCounter(model.parameters()) as counter:
         loss = model.loss(tokens, targets)
     report = build_saved_tensors_report(loss)
     assert report.total_bytes == counter.activation_bytes > 0
@@ -52,8 +52,7 @@ def test_totals_equal_independent_count(plan):
 @pytest.mark.parametrize("plan", PLANS)
 def test_totals_without_hooks_match_the_hooked_run(plan):
     model, tokens, targets = model_and_batch(plan)
-    counter = IndependentCount(model.parameters())
-    with counter.hooks:
+    with SavedBytesCounter(model.parameters()) as counter:
         hooked = build_saved_tensors_report(model.loss(tokens, targets))
     plain = build_saved_tensors_report(model.loss(tokens, targets))
     assert plain.total_bytes == hooked.total_bytes == counter.activation_bytes
