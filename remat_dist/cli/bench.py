@@ -174,8 +174,9 @@ _RECOMPUTED = {
 def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int:
     with SavedBytesCounter(model.parameters()) as count:
         loss = model.loss(tokens, targets)
-    # a gradient_checkpoint_scope keeps its inputs in its own record, not via hooks
-    scopes = sum(r.kept_bytes() for r in live_scope_records())
+    # a gradient_checkpoint_scope's inputs reach the hooks (its ops save them);
+    # its own record adds RNG/state snapshots only
+    scopes = sum(r.stats()["state_bytes"] for r in live_scope_records())
     loss.backward()
     model.zero_grad(set_to_none=True)
     return count.activation_bytes + scopes

@@ -46,6 +46,7 @@ from remat_dist.core._record import (
 )
 from remat_dist.core._state import frame_var, name_prefix_var
 from remat_dist.core._types import RecomputeStateHook, SavedTensorInfo, SavedTensorKind
+from remat_dist.core.scope import active_scope_depth
 from remat_dist.errors import RematError, RematUsageError
 
 __all__ = ["checkpoint", "name_scope", "recompute_needs_tensor", "region"]
@@ -175,12 +176,6 @@ def _default_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def _scope_depth() -> int:
-    from remat_dist.core import scope
-
-    return scope.active_scope_depth()
-
-
 def _run_checkpoint(
     fn: Callable[..., Any],
     name: str,
@@ -198,7 +193,7 @@ def _run_checkpoint(
             f"remat_dist.region(fn, {name!r}, recompute=True), or checkpoint the "
             "inner blocks one by one instead of the outer one."
         )
-    if _scope_depth():
+    if active_scope_depth():
         raise RematUsageError(
             f"remat_dist.checkpoint(region_name={name!r}) was entered inside a "
             "remat_dist.gradient_checkpoint_scope(). Everything created in the scope "
