@@ -576,3 +576,44 @@ def test_replay_divergence_is_an_error():
     out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
     with pytest.raises(remat.RematError, match="replay of checkpoint 'c' entered region 'c::b'.*'c::a'"):
         out.sum().backward()
+
+
+def test_checkpoint_saved_tensors_hooks_option_sees_what_the_checkpoint_keeps():
+    seen = []
+
+    def pack(t):
+        seen.append(remat.current_saved_tensor_info().kind)
+        return t.clone()
+
+    x = X0.clone().requires_grad_()
+    ck = remat.checkpoint(region_name="c", saved_tensors_hooks=(pack, lambda t: t))
+    out = ck(chain)(x, keep=("s1",))
+    assert SavedTensorKind.CHECKPOINT_INPUT in seen and SavedTensorKind.BACKWARD in seen
+    out.pow(2).sum().backward()
+    ref = _grads(lambda t: chain(t, keep=("s1",)), X0)
+    got = _grads(lambda t: ck(chain)(t, keep=("s1",)), X0)
+    assert _equal(ref, got)
+    with pytest.raises(remat.RematUsageError, match="saved_tensors_hooks must be"):
+        remat.checkpoint(region_name="c", saved_tensors_hooks=lambda t: t)
+
+
+def test_determinism_check_default_catches_a_replay_with_other_shapes():
+    calls = {"n": 0}
+
+    def f(x):
+        calls["n"] += 1
+        n = 4 if calls["n"] == 1 else 3  # replay sees another shape
+        return (x[:n] @ W1).tanh()
+
+    out = remat.checkpoint(region_name="c", determinism_check="default")(f)(X0.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        out.sum().backward()
+    with pytest.raises(remat.RematUsageError, match="determinism_check"):
+        remat.checkpoint(region_name="c", determinism_check="strict")
+
+
+def test_region_collectives_option_is_validated():
+    with pytest.raises(remat.RematUsageError, match="collectives"):
+        remat.region(torch.tanh, "act", recompute=True, collectives="never")
+    with pytest.raises(remat.RematUsageError, match="collectives must be one of"):
+        remat.checkpoint(region_name="c", collectives="sometimes")

@@ -220,3 +220,25 @@ def test_no_process_group_records_nothing():
     assert ledger_of(rec) is None
     out.sum().backward()
     remat.check_plan_consistency()  # a no-op
+
+
+@distributed(world_size=2, mesh_shape=(2,))
+def test_per_region_comm_free_replay(ctx: DistContext):
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        h = remat.region(mlp, "served", recompute=True, collectives="save")(t.sin())
+        return mlp(h.tanh()).cos()  # this one is replayed and verified
+
+    out = remat.checkpoint(region_name="per_region_blk")(body)(x)
+    (state,) = [ledger_of(r) for r in live_records() if r.name == "per_region_blk"]
+    assert len(state.ledger) == 2
+    assert [e.kept is not None for e in state.ledger.entries] == [True, False]
+    out.sum().backward()
+    replay = state.replays[-1]
+    assert (replay["served"], replay["issued"]) == (1, 1)  # region served, tail re-issued
+    ref_x = x.detach().clone().requires_grad_()
+    ref = mlp(torch.tanh(mlp(ref_x.sin()))).cos()
+    ref.sum().backward()
+    assert torch.equal(ref_x.grad, x.grad)
