@@ -462,7 +462,7 @@ def _region_forward(
     record._stack.append(rr)
     try:
         if rr.is_save:
-            with _save_region_hooks(record, rr):
+            with _save_region_hooks(record, rr, args, kwargs):
                 out = call.fn(*args, **kwargs)
         else:
             out = call.fn(*args, **kwargs)
@@ -515,12 +515,71 @@ class _UserPacked:
         self.packed = packed
 
 
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _checkpoint_hooks_below() -> tuple[Any, Any] | None:
+    """torch's checkpoint pack/unpack hooks, when they are the innermost ones."""
+    hooks = _top_hooks(False)
+    if hooks is None:
+        return None
+    if not getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
+        return None  # another hook sits in between: keep everything
+    return hooks
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Storage element range ``[first, last]`` that ``t`` covers."""
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.storage_offset(), last
+
+
+class _RegionInputs:
+    """The region's plain-tensor arguments that replay recomputes, by storage."""
+
+    def __init__(self, record: CheckpointRecord, args: tuple[Any, ...], kwargs: dict):
+        self.by_storage: dict[Any, list[tuple[int, torch.Tensor, int]]] = {}
+        for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs))):
+            if type(a) is not torch.Tensor or a.numel() == 0 or not a.is_contiguous():
+                continue
+            key = storage_key(a)
+            if key in record._producers:
+                continue  # a skipped save region's output: replay may not have it
+            self.by_storage.setdefault(key, []).append((i, a, a._version))
+
+    def find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        if type(t) is not torch.Tensor or t.numel() == 0:
+            return None
+        first, last = _extent(t)
+        for i, a, version in self.by_storage.get(storage_key(t), ()):
+            lo, hi = _extent(a)
+            if t._version != version:
+                return None  # changed in place inside the region: replay would not
+            if a.dtype == t.dtype and lo <= first and last <= hi:
+                return i, a
+        return None
+
+
 def _save_region_hooks(
-    record: CheckpointRecord, rr: RegionRecord
+    record: CheckpointRecord, rr: RegionRecord, args: tuple[Any, ...], kwargs: dict
 ) -> torch.autograd.graph.saved_tensors_hooks:
     user = innermost_hooks()
+    below = _checkpoint_hooks_below()
+    inputs = _RegionInputs(record, args, kwargs) if below is not None else None
 
     def pack(t: torch.Tensor) -> Any:
+        if inputs is not None:
+            hit = inputs.find(t)
+            if hit is not None:
+                # A (view of a) region input that replay recomputes anyway: let
+                # torch's checkpoint recompute it instead of keeping it. On replay
+                # the skipped region emits the same pack (see _emit_routed).
+                i, a = hit
+                rr.routed.append(
+                    (i, tuple(a.shape), a.stride(), tuple(t.shape), t.stride(),
+                     t.storage_offset() - a.storage_offset())
+                )
+                return below[0](t)
         name = saved_name(t)
         entry = _entry(t, name)
         entry.packed_by_user_hook = user is not None
@@ -535,6 +594,8 @@ def _save_region_hooks(
     def unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _UserPacked):
             return p.hooks.unpack_with(p.packed)
+        if not isinstance(p, _Kept):
+            return below[1](p)  # routed to torch's checkpoint: recomputed
         t = p.tensor
         if t._version != p.version:
             # autograd skips its own version check for hooked saves; do it here.
@@ -548,6 +609,32 @@ def _save_region_hooks(
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _emit_routed(
+    record: CheckpointRecord, rr: RegionRecord, args: tuple[Any, ...], kwargs: dict
+) -> None:
+    """On replay, where a save region is skipped: hand torch's recompute hook the
+    region inputs that the forward routed to it, in the same order, rebuilt from
+    this replay's (recomputed) arguments."""
+    hooks = _top_hooks(False)
+    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    with torch.no_grad():
+        for i, a_shape, a_stride, shape, stride, rel in rr.routed:
+            a = flat[i] if i < len(flat) else None
+            if (
+                hooks is None
+                or not isinstance(a, torch.Tensor)
+                or tuple(a.shape) != a_shape
+                or a.stride() != a_stride
+            ):
+                raise RematError(
+                    f"remat_dist: the replay of checkpoint {record.name!r} reached save "
+                    f"region {rr.name!r} with other inputs than the forward (input {i}: "
+                    f"expected shape {a_shape} strides {a_stride}). The checkpointed "
+                    "function must compute the same inputs on replay."
+                )
+            hooks[0](a.as_strided(shape, stride, a.storage_offset() + rel))
 
 
 def _record_outputs(
@@ -654,6 +741,8 @@ def _region_replay(
         _record.notify("on_region_start", record, rr, True)
     if rr.is_save:
         record._cursor += rr.descendants
+        if rr.routed:
+            _emit_routed(record, rr, args, kwargs)
         items = [_serve(record, rr, j) for j in range(len(rr.output_meta))]
         _restore(record, rr.state_after or (), f"after save region {rr.name!r}")
         out = _rebuild(rr.output_structure, items)

@@ -137,6 +137,10 @@ class RegionRecord:
     """``tensor``, ``tuple`` or ``list``: how replay rebuilds the return value."""
     persisted: dict[int, PersistedOutput] = field(default_factory=dict)
     saved: list[SavedEntry] = field(default_factory=list)
+    routed: list[tuple[Any, ...]] = field(default_factory=list)
+    """Saves that are (views of) the region's own inputs: not kept, recomputed by
+    torch's checkpoint with the rest (``(arg index, arg shape, arg strides, shape,
+    strides, offset from the arg)``, in pack order)."""
     state_after: tuple[Any, ...] | None = None
 
     @property

@@ -159,15 +159,38 @@ def test_view_of_save_output_resolves_to_producer():
 
 
 def test_in_place_on_saved_tensor_raises_like_autograd():
+    def inner(t):
+        u = t * 2
+        return u * W1[0], u  # mul saves u, which the region creates (kept)
+
     def f(x):
-        x = x * 1
-        y = remat.region(lambda t: t * W1[0], "mul", recompute=False)(x)
-        x.add_(1)
+        y, u = remat.region(inner, "mul", recompute=False)(x)
+        u.add_(1)
         return y * 2
 
     out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*'c::mul'"):
         out.sum().backward()
+
+
+def test_save_region_inputs_are_recomputed_not_kept():
+    # the region's input x is recomputed by replay anyway: it is not kept, and an
+    # in-place change after the region does not matter (torch.utils.checkpoint's
+    # semantics for recomputed tensors)
+    def f(x):
+        x = x * 1
+        y = remat.region(lambda t: t * W1[0], "mul", recompute=False)(x)
+        remat.recompute_needs_tensor(y)
+        x.add_(1)
+        return y * 2 + x.sin()
+
+    ref = _grads(lambda x: tuc.checkpoint(f, x, use_reentrant=False), X0)
+    assert _equal(ref, _grads(lambda x: remat.checkpoint(region_name="c")(f)(x), X0))
+    out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
+    rec = [r for r in live_records() if r.name == "c"][-1]
+    assert [e.shape for e in rec.regions[0].saved] == [(8,)]  # only W1[0]'s view
+    assert len(rec.regions[0].routed) == 1
+    out.sum().backward()
 
 
 def test_in_place_on_persisted_output_raises_with_region():
@@ -180,6 +203,27 @@ def test_in_place_on_persisted_output_raises_with_region():
     out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
     with pytest.raises(remat.RematError, match="'c::mul'.*modified in place.*clone"):
         out.sum().backward()
+
+
+def test_input_changed_in_place_inside_the_region_is_kept():
+    # replay skips the region, so it cannot redo the change: the changed input
+    # must be kept, not recomputed
+    def f(x):
+        h = x.cos()
+        y = remat.region(lambda t: inner_inplace(t), "mul", recompute=False)(h)
+        remat.recompute_needs_tensor(y)
+        return y * 2
+
+    def inner_inplace(t):
+        t.mul_(3)  # the region's own input, changed before mul saves it
+        return (t * W1[0]).sin()
+
+    ref = _grads(f, X0)
+    assert _equal(ref, _grads(lambda x: remat.checkpoint(region_name="c")(f)(x), X0))
+    out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
+    rec = [r for r in live_records() if r.name == "c"][-1]
+    assert rec.regions[0].routed == []
+    out.sum().backward()
 
 
 class Pair(NamedTuple):
@@ -224,12 +268,11 @@ def test_saved_bytes_all_recompute_equal_torch_checkpoint():
 
 def test_saved_bytes_save_region_equal_plan():
     x = X0.clone().requires_grad_()
-    # plan: the checkpoint input + what stage s1 saves (its input, its tanh output)
-    # + its output kept for the bare residual add... tanh's output is the output,
-    # so persistence is free.
+    # plan: the checkpoint input + what stage s1 keeps: its tanh output (== the
+    # region output, so persisting it for the residual add is free). Its matmul
+    # input is the region's input, which replay recomputes: not kept.
     ours = _saved_bytes(lambda: remat.checkpoint(region_name="c")(chain)(x, keep=("s1",)))
-    s1_saves = 2 * X0.nbytes  # matmul input, tanh output (== region output)
-    assert ours == x.nbytes + s1_saves
+    assert ours == x.nbytes + X0.nbytes
 
 
 def test_pack_hook_kinds():
@@ -277,12 +320,12 @@ def test_named_save_for_backward_names_reach_pack_hook():
         @staticmethod
         def forward(ctx, x):
             y = x * x
-            remat.save_for_backward(ctx, {"inp": x, "gf": 2 * x})
+            remat.save_for_backward(ctx, {"copy": x.clone(), "gf": 2 * x})
             return y
 
         @staticmethod
         def backward(ctx, g):
-            x, gf = ctx.saved_tensors
+            _, gf = ctx.saved_tensors
             return g * gf
 
     names = []
@@ -298,7 +341,7 @@ def test_named_save_for_backward_names_reach_pack_hook():
 
     with remat.saved_tensors_hooks(pack, lambda t: t):
         out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
-    assert {"inp", "gf"} <= set(names)
+    assert {"copy", "gf"} <= set(names)
     out.sum().backward()
 
 
