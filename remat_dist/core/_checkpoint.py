@@ -205,15 +205,16 @@ def _run_checkpoint(
     if hooks is None:
         hooks = _record.default_state_hooks_for_checkpoint()
     record = CheckpointRecord(name, hooks, options)
+    user_hooks = options["saved_tensors_hooks"]
+    hooked = user_hooks is not None or innermost_hooks() is not None
     record.input_entries = [
-        _entry(t, f"input {i}")
+        _entry(t, f"input {i}", packed_by_user_hook=hooked and i < len(args))
         for i, t in enumerate((*args, *kwargs.values()))
         if isinstance(t, torch.Tensor)
     ]
     forward_phase = _Phase(record, replay=False)
     replay_phase = _Phase(record, replay=True)
     body = functools.partial(fn, **kwargs) if kwargs else fn
-    user_hooks = options["saved_tensors_hooks"]
     with user_hooks if user_hooks is not None else nullcontext():
         token = inputs_of_var.set(name)
         try:
@@ -239,7 +240,9 @@ def _link_to_graph(record: CheckpointRecord, out: Any) -> None:
             t.grad_fn.metadata.setdefault(RECORDS_METADATA_KEY, []).append(ref)
 
 
-def _entry(t: torch.Tensor, name: str | None) -> SavedEntry:
+def _entry(
+    t: torch.Tensor, name: str | None, *, packed_by_user_hook: bool = False
+) -> SavedEntry:
     local = plain(t)
     storage = local.untyped_storage()
     return SavedEntry(
@@ -251,7 +254,7 @@ def _entry(t: torch.Tensor, name: str | None) -> SavedEntry:
         storage_nbytes=storage.nbytes(),
         nbytes=local.numel() * local.element_size(),
         is_parameter=isinstance(t, torch.nn.Parameter),
-        packed_by_user_hook=False,
+        packed_by_user_hook=packed_by_user_hook,
     )
 
 
@@ -462,8 +465,14 @@ def _region_forward(
     record._stack.append(rr)
     try:
         if rr.is_save:
-            with _save_region_hooks(record, rr, args, kwargs):
-                out = call.fn(*args, **kwargs)
+            inputs = _RegionInputs(record, args, kwargs)
+            try:
+                with _save_region_hooks(record, rr, inputs):
+                    out = call.fn(*args, **kwargs)
+            finally:
+                # autograd keeps the pack hook as long as the saved tensors:
+                # it must not keep the region's inputs alive
+                inputs.clear()
         else:
             out = call.fn(*args, **kwargs)
     finally:
@@ -547,6 +556,9 @@ class _RegionInputs:
                 continue  # a skipped save region's output: replay may not have it
             self.by_storage.setdefault(key, []).append((i, a, a._version))
 
+    def clear(self) -> None:
+        self.by_storage.clear()
+
     def find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         if type(t) is not torch.Tensor or t.numel() == 0:
             return None
@@ -561,14 +573,13 @@ class _RegionInputs:
 
 
 def _save_region_hooks(
-    record: CheckpointRecord, rr: RegionRecord, args: tuple[Any, ...], kwargs: dict
+    record: CheckpointRecord, rr: RegionRecord, inputs: _RegionInputs
 ) -> torch.autograd.graph.saved_tensors_hooks:
     user = innermost_hooks()
     below = _checkpoint_hooks_below()
-    inputs = _RegionInputs(record, args, kwargs) if below is not None else None
 
     def pack(t: torch.Tensor) -> Any:
-        if inputs is not None:
+        if below is not None:
             hit = inputs.find(t)
             if hit is not None:
                 # A (view of a) region input that replay recomputes anyway: let

@@ -660,3 +660,22 @@ def test_region_collectives_option_is_validated():
         remat.region(torch.tanh, "act", recompute=True, collectives="never")
     with pytest.raises(remat.RematUsageError, match="collectives must be one of"):
         remat.checkpoint(region_name="c", collectives="sometimes")
+
+
+def test_save_region_does_not_keep_its_inputs_alive():
+    # its input is recomputed by replay: after forward nothing may hold it (autograd
+    # keeps the region's pack hook as long as the saved tensors)
+    seen = {}
+
+    def f(x):
+        h = x.cos()
+        seen["h"] = weakref.ref(h)
+        y = remat.region(lambda t: (t @ W1).sin(), "proj", recompute=False)(h)
+        remat.recompute_needs_tensor(y)
+        return y * 2
+
+    out = remat.checkpoint(region_name="c")(f)(X0.clone().requires_grad_())
+    gc.collect()
+    assert seen["h"]() is None
+    out.sum().backward()
+    assert _equal(_grads(f, X0), _grads(lambda x: remat.checkpoint(region_name="c")(f)(x), X0))
