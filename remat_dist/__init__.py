@@ -48,6 +48,7 @@ from remat_dist.fsdp import (
 from remat_dist.report import (
     CrossRankReport,
     attach_oom_observer,
+    clear_memory_snapshot_cache,
     collect_trace,
     discover_autograd_roots,
     format_current_memory_report,
@@ -75,6 +76,7 @@ __all__ = [
     "shard_model",
     "CrossRankReport",
     "attach_oom_observer",
+    "clear_memory_snapshot_cache",
     "collect_trace",
     "discover_autograd_roots",
     "format_current_memory_report",

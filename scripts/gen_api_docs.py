@@ -79,6 +79,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "format_oom_saved_tensors_report",
             "discover_autograd_roots",
             "memory_snapshot_annotate",
+            "clear_memory_snapshot_cache",
         ],
     ),
     (

@@ -18,7 +18,10 @@ a :class:`CrossRankReport` (:func:`aggregate_summaries` is the pure part).
 """
 
 from remat_dist.report._accounting import Annotate
-from remat_dist.report._annotate import memory_snapshot_annotate
+from remat_dist.report._annotate import (
+    clear_memory_snapshot_cache,
+    memory_snapshot_annotate,
+)
 from remat_dist.report._cross_rank import (
     CrossRankReport,
     RankTotals,
@@ -58,6 +61,7 @@ __all__ = [
     "aggregate_summaries",
     "attach_oom_observer",
     "build_saved_tensors_report",
+    "clear_memory_snapshot_cache",
     "collect_trace",
     "discover_autograd_roots",
     "format_current_memory_report",

@@ -15,7 +15,7 @@ from typing import Any
 
 from remat_dist.report._accounting import Annotate
 
-__all__ = ["allocation_site", "memory_snapshot_annotate"]
+__all__ = ["allocation_site", "clear_memory_snapshot_cache", "memory_snapshot_annotate"]
 
 _INTERNAL = ("/torch/", "/remat_dist/", "<frozen ", "/site-packages/torch")
 
@@ -97,3 +97,11 @@ def memory_snapshot_annotate(snapshot: Mapping[str, Any] | None = None) -> Annot
         return None
 
     return annotate
+
+
+def clear_memory_snapshot_cache() -> None:
+    """torch_remat's name, kept so that code switching imports runs unchanged.
+
+    remat_dist memoizes no snapshot: each :func:`memory_snapshot_annotate` call
+    without ``snapshot=`` takes a fresh one, so there is nothing to clear.
+    """

@@ -679,3 +679,17 @@ def test_save_region_does_not_keep_its_inputs_alive():
     assert seen["h"]() is None
     out.sum().backward()
     assert _equal(_grads(f, X0), _grads(lambda x: remat.checkpoint(region_name="c")(f)(x), X0))
+
+
+def test_every_torch_remat_public_name_is_here():
+    # a user switches with one import line: torch_remat 0.2's public names
+    names = (
+        "checkpoint region recompute_needs_tensor is_placeholder is_recomputing "
+        "RecomputeStateHook save_for_backward saved_tensors_hooks "
+        "current_saved_tensor_info SavedTensorInfo SavedTensorKind collect_trace "
+        "trace_scope format_current_memory_report print_current_memory_report "
+        "format_saved_tensors_report print_saved_tensors_report oom_observer "
+        "format_oom_saved_tensors_report discover_autograd_roots "
+        "memory_snapshot_annotate clear_memory_snapshot_cache"
+    ).split()
+    assert [n for n in names if not hasattr(remat, n)] == []
