@@ -35,11 +35,11 @@ def _tp_gpt(mesh, policy, collectives):
     return model
 
 
-def _step(model):
+def _step(model, prefix="layers."):
     """Forward + backward; grads (local shards), backward collectives, ledgers."""
     tokens, targets = make_batch(CONFIG, 4, seed=3)
     loss = model.loss(tokens, targets)
-    states = [ledger_of(r) for r in live_records() if r.name.startswith("layers.")]
+    states = [ledger_of(r) for r in live_records() if r.name.startswith(prefix)]
     states = [s for s in states if s is not None]
     counter = RecordCollectives()
     with observe_collectives(counter):
@@ -242,3 +242,26 @@ def test_per_region_comm_free_replay(ctx: DistContext):
     ref = mlp(torch.tanh(mlp(ref_x.sin()))).cos()
     ref.sum().backward()
     assert torch.equal(ref_x.grad, x.grad)
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("dp",))
+def test_checkpoint_around_an_fsdp2_module_call(ctx: DistContext):
+    # checkpoint(block)(x) on a fully_shard-ed block puts FSDP2's pre-forward
+    # all-gather inside the checkpoint: counted, not replayed or verified
+    from torch.distributed.fsdp import fully_shard
+
+    def run(wrap):
+        model = GPT(CONFIG)
+        for block in model.layers:
+            fully_shard(block, mesh=ctx.mesh)
+        fully_shard(model, mesh=ctx.mesh)
+        if wrap:
+            model.block_runner = lambda b, x, n: remat.checkpoint(region_name=f"fsdp_call.{n}")(b)(x)
+        return _step(model, prefix="fsdp_call.")
+
+    ref, ref_ops, _ = run(False)
+    grads, ops, states = run(True)
+    assert all(torch.equal(ref[n], grads[n]) for n in ref)
+    assert len(states) == CONFIG.n_layers
+    assert all(s.fsdp_collectives > 0 and len(s.ledger) == 0 for s in states)
+    assert ops == ref_ops  # no extra collective in backward
