@@ -693,3 +693,16 @@ def test_every_torch_remat_public_name_is_here():
         "memory_snapshot_annotate clear_memory_snapshot_cache"
     ).split()
     assert [n for n in names if not hasattr(remat, n)] == []
+
+
+def test_in_place_on_checkpoint_output_is_allowed_like_torch_checkpoint():
+    def run(ck):
+        x = X0.clone().requires_grad_()
+        y = ck(x)
+        y.mul_(2)  # torch_remat's output is a view and raises here
+        y.sum().backward()
+        return x.grad
+
+    ours = run(lambda x: remat.checkpoint(region_name="c")(chain)(x, keep=("s1",)))
+    theirs = run(lambda x: tuc.checkpoint(lambda t: chain(t, keep=("s1",)), x, use_reentrant=False))
+    assert torch.equal(ours, theirs)
