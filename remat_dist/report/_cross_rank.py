@@ -99,11 +99,15 @@ class RankTotals:
 @dataclass(frozen=True)
 class RegionStats:
     """One region (checkpoint ``region_name``): its bytes on each rank, in the order
-    of :attr:`CrossRankReport.ranks`, and their statistics."""
+    of :attr:`CrossRankReport.ranks`, and their statistics. ``bytes`` is what the
+    checkpoint keeps beyond its inputs (save regions, persisted outputs);
+    ``input_bytes`` its inputs on each rank (counted in the ranks'
+    ``checkpoint_input_bytes``), so a fully recomputed block shows its real cost."""
 
     name: str
     bytes: tuple[int, ...]
     stats: Stats
+    input_bytes: tuple[int, ...] = ()
 
     @property
     def min(self) -> int | float:
@@ -126,7 +130,12 @@ class RegionStats:
         return self.stats.imbalance
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "bytes": list(self.bytes), **self.stats.to_dict()}
+        return {
+            "name": self.name,
+            "bytes": list(self.bytes),
+            **self.stats.to_dict(),
+            "input_bytes": list(self.input_bytes or (0,) * len(self.bytes)),
+        }
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,7 @@ class CrossRankReport:
                 name=str(r["name"]),
                 bytes=tuple(int(b) for b in r["bytes"]),
                 stats=_stats_from(r),
+                input_bytes=tuple(int(b) for b in r.get("input_bytes", ())),
             )
             for r in d["regions"]
         )
@@ -238,9 +248,9 @@ class CrossRankReport:
         return lines
 
     def _region_lines(self) -> list[str]:
-        groups: dict[tuple[int, ...], list[RegionStats]] = {}
+        groups: dict[tuple[Any, ...], list[RegionStats]] = {}
         for region in self.regions:
-            groups.setdefault(region.bytes, []).append(region)
+            groups.setdefault((region.bytes, region.input_bytes), []).append(region)
         rank_ids = [r.rank for r in self.ranks]
         shown = list(groups.values())
         hidden = 0
@@ -262,6 +272,11 @@ class CrossRankReport:
                     f"{format_bytes(s.max)} (rank {s.max_rank}), imbalance {s.imbalance:.2f}"
                 )
                 detail = _value_ranges(members[0].bytes, rank_ids)
+            inputs = members[0].input_bytes
+            if any(inputs):
+                lo, hi = min(inputs), max(inputs)
+                each = format_bytes(lo) if lo == hi else f"{format_bytes(lo)}-{format_bytes(hi)}"
+                spread += f", + inputs {each}"
             if len(members) > 1:
                 label += " (each)"
             rows.append([label, spread, detail])
@@ -328,18 +343,23 @@ def aggregate_summaries(summaries: Sequence[Mapping[str, Any]]) -> CrossRankRepo
     rank_ids = [r.rank for r in ranks]
     names: list[str] = []
     per_rank: list[dict[str, int]] = []
+    inputs_per_rank: list[dict[str, int]] = []
     for _, s in items:
         mine: dict[str, int] = {}
+        inputs: dict[str, int] = {}
         for region in s.get("regions", ()):
             name = str(region["name"])
             if name not in mine and name not in names:
                 names.append(name)
             mine[name] = mine.get(name, 0) + int(region["bytes"])
+            inputs[name] = inputs.get(name, 0) + int(region.get("input_bytes", 0))
         per_rank.append(mine)
+        inputs_per_rank.append(inputs)
     regions = []
     for name in names:
         values = tuple(m.get(name, 0) for m in per_rank)
-        regions.append(RegionStats(name, values, Stats.of(values, rank_ids)))
+        inputs = tuple(m.get(name, 0) for m in inputs_per_rank)
+        regions.append(RegionStats(name, values, Stats.of(values, rank_ids), inputs))
     totals = Stats.of([r.total_bytes for r in ranks], rank_ids)
     return CrossRankReport(len(ranks), ranks, tuple(regions), totals)
 

@@ -90,6 +90,7 @@ def test_to_dict_keys_and_json_round_trip():
         "max",
         "max_rank",
         "imbalance",
+        "input_bytes",  # added to the §7 keys: a region's inputs on each rank
     }
     assert set(d["totals"]) == {"min", "median", "max", "max_rank", "imbalance"}
     assert d["regions"][0]["bytes"] == [100, 200]
@@ -246,3 +247,18 @@ def test_dtensor_checkpoint_input_counts_its_local_shard(ctx):
     report = build_saved_tensors_report(y.sum())
     assert report.checkpoint_input_bytes == 0  # x: counted by the region that saves it
     assert report.regions_bytes == 64 + 64  # x's shard and the kept output's shard
+
+
+def test_region_inputs_are_shown_per_region():
+    # a fully recomputed block keeps 0 B beyond its inputs: the line shows both
+    summaries = [
+        {**summary(r, layers(2, 0), inputs=2 * 1024 * (r + 1)),
+         "regions": [{"name": f"layers.{i}", "bytes": 0, "input_bytes": 1024 * (r + 1)}
+                     for i in range(2)]}
+        for r in range(2)
+    ]
+    report = aggregate_summaries(summaries)
+    assert report.regions[0].input_bytes == (1024, 2048)
+    assert report.to_dict()["regions"][0]["input_bytes"] == [1024, 2048]
+    assert "+ inputs 1.0 KiB-2.0 KiB" in report.format()
+    assert CrossRankReport.from_dict(report.to_dict()) == report
