@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from remat_dist.core._checkpoint import RECORDS_METADATA_KEY, _Kept, _UserPacked
 from remat_dist.core._record import CheckpointRecord
+from remat_dist.core._scope_record import _Handle as ScopeHandle
 
 __all__ = [
     "GraphScan",
@@ -129,6 +130,9 @@ class GraphScan:
     parameter_keys: set[StorageKey] = field(default_factory=set)
     nodes: int = 0
     recompute_handles: int = 0
+    scopes: dict[int, Any] = field(default_factory=dict)
+    """``gradient_checkpoint_scope`` records whose recompute handles are on the
+    graph (their tensors are recomputed: only the scope's own state is kept)."""
 
 
 def root_nodes(roots: Iterable[Any]) -> list[Any]:
@@ -241,6 +245,9 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
                 scan.outside.append(OutsideSave(node_type, index, data, False))
             elif _TorchHolder is not None and isinstance(data, _TorchHolder):
                 scan.recompute_handles += 1
+            elif isinstance(data, ScopeHandle):
+                scan.recompute_handles += 1
+                scan.scopes.setdefault(id(data.record), data.record)
             elif isinstance(data, _Kept):
                 scan.region_tensors.append((data.tensor, f"{node_type}.{saved_name}"))
             elif isinstance(data, _UserPacked):

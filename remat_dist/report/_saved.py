@@ -76,6 +76,10 @@ class OutsideGroup:
         return sum(1 for r in self.rows if r.counted_in is None and r.nbytes)
 
 
+SCOPE_STATE = "gradient_checkpoint_scope state"
+"""The outside group for what ``gradient_checkpoint_scope`` records keep."""
+
+
 @dataclass
 class SavedTensorsReport:
     """The structured saved-tensors report of one process (see module doc).
@@ -286,6 +290,23 @@ def build_saved_tensors_report(*roots: Any) -> SavedTensorsReport:
                     user_hook=save.user_hook,
                     counted_in=before,
                     tensor=plain,
+                )
+            )
+    if scan.scopes:
+        # a scope's tensors are recomputed; what it keeps itself is its RNG and
+        # autocast snapshots (its inputs are counted where autograd saves them)
+        group = groups.setdefault(SCOPE_STATE, OutsideGroup(SCOPE_STATE))
+        for i, record in enumerate(scan.scopes.values()):
+            state = int(record.stats()["state_bytes"])
+            group.nodes.add(-1 - i)
+            group.rows.append(
+                StorageRow(
+                    nbytes=state,
+                    storage_nbytes=state,
+                    label="RNG/autocast snapshots",
+                    shape=(state,),
+                    dtype=torch.uint8,
+                    device=torch.device("cpu"),
                 )
             )
     return SavedTensorsReport(

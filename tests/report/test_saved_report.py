@@ -224,3 +224,26 @@ def test_report_keeps_nothing_alive():
     gc.collect()
     assert set(live_records()) - before == set()  # the kept report holds none
     assert report.format().startswith("saved for backward: ")
+
+
+def test_scope_state_is_counted_and_its_tensors_are_not():
+    # weight noise in gradient_checkpoint_scope: the noisy weights are recomputed
+    # (autograd keeps recompute handles), the scopes keep their RNG snapshots
+    from remat_dist.core.scope import live_scope_records
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+    with SavedBytesCounter(ws) as counter:
+        h = x
+        for w in ws:
+            with remat.gradient_checkpoint_scope():
+                noisy = w + torch.randn_like(w) * 0.01
+            h = torch.tanh(h @ noisy)
+        loss = h.sum()
+    state = sum(r.stats()["state_bytes"] for r in live_scope_records())
+    report = build_saved_tensors_report(loss)
+    assert state >= 5056  # CPU RNG snapshots (5056 B each)
+    assert report.total_bytes == counter.activation_bytes + state
+    assert "gradient_checkpoint_scope state" in report.format()
+    loss.backward()
