@@ -76,6 +76,24 @@ class OutsideGroup:
         return sum(1 for r in self.rows if r.counted_in is None and r.nbytes)
 
 
+def _group_rows(groups: Any, size: Any) -> list[str]:
+    """One table row per group of identical checkpoints: bytes (each), count,
+    compressed names, storages; ``size(cp) -> (bytes, storages)``."""
+    rows = []
+    for members in groups:
+        nbytes, storages = size(members[0])
+        each = " each" if len(members) > 1 else ""
+        rows.append(
+            [
+                format_bytes(nbytes),
+                f"x{len(members)}",
+                compress_names([m.name for m in members]),
+                f"({plural(storages, 'storage')}{each})",
+            ]
+        )
+    return table(rows, indent="  ", right=(0,))
+
+
 SCOPE_STATE = "gradient_checkpoint_scope state"
 """The outside group for what ``gradient_checkpoint_scope`` records keep."""
 
@@ -164,37 +182,16 @@ class SavedTensorsReport:
         region_groups = _group(self.checkpoints, lambda cp: cp.signature())
         if self.checkpoints:
             lines += ["", "regions:"]
-            rows = []
-            for members in region_groups:
-                cp = members[0]
-                each = " each" if len(members) > 1 else ""
-                rows.append(
-                    [
-                        format_bytes(cp.nbytes),
-                        f"x{len(members)}",
-                        compress_names([m.name for m in members]),
-                        f"({plural(cp.storages, 'storage')}{each})",
-                    ]
-                )
-            lines += table(rows, indent="  ", right=(0,))
+            lines += _group_rows(region_groups, lambda cp: (cp.nbytes, cp.storages))
             lines += [
                 "",
                 f"checkpoint inputs: {format_bytes(self.checkpoint_input_bytes)} in "
                 f"{plural(sum(cp.input_storages for cp in self.checkpoints), 'storage')}",
             ]
-            rows = []
-            for members in _group(self.checkpoints, lambda cp: cp.input_signature()):
-                cp = members[0]
-                each = " each" if len(members) > 1 else ""
-                rows.append(
-                    [
-                        format_bytes(cp.input_bytes),
-                        f"x{len(members)}",
-                        compress_names([m.name for m in members]),
-                        f"({plural(cp.input_storages, 'storage')}{each})",
-                    ]
-                )
-            lines += table(rows, indent="  ", right=(0,))
+            lines += _group_rows(
+                _group(self.checkpoints, lambda cp: cp.input_signature()),
+                lambda cp: (cp.input_bytes, cp.input_storages),
+            )
         shown = [g for g in self.outside if g.nbytes]
         lines += [
             "",
