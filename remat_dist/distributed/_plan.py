@@ -96,9 +96,10 @@ def _dist_ready() -> bool:
 def _agreement(group: Any) -> ReplayAgreement:
     import torch.distributed as dist
 
-    key = str((group or dist.group.WORLD).group_name)
+    group = group or dist.group.WORLD
+    key = str(group.group_name)
     agreement = _agreements.get(key)
-    if agreement is None:
+    if agreement is None or agreement.group is not group:
         agreement = _agreements[key] = ReplayAgreement(
             group, timeout=PLAN_TIMEOUT_S, prefix="remat_dist/plan"
         )

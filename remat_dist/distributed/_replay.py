@@ -127,9 +127,11 @@ def set_replay_timeout(seconds: float) -> None:
 def _agreement() -> ReplayAgreement:
     import torch.distributed as dist
 
-    key = str(dist.group.WORLD.group_name)
+    world = dist.group.WORLD
+    key = str(world.group_name)
     agreement = _agreements.get(key)
-    if agreement is None:
+    if agreement is None or agreement.group is not world:
+        # first use, or the process group was destroyed and created again
         agreement = _agreements[key] = ReplayAgreement(timeout=_timeout)
     return agreement
 
