@@ -28,6 +28,7 @@ from remat_dist.distributed import (
     GeneratorStateHook,
     check_plan_consistency,
     default_state_hooks,
+    mark_step,
     set_replay_timeout,
 )
 from remat_dist.errors import (
@@ -68,6 +69,7 @@ __version__ = "0.1.0"
 __all__ = [
     "check_plan_consistency",
     "set_replay_timeout",
+    "mark_step",
     "TensorParallelPlan",
     "apply_remat",
     "reference_tp_plan",

@@ -111,7 +111,7 @@ def _ledger_costs(n: int) -> dict[str, float]:
         VerifyCollectives,
         observe_collectives,
     )
-    from remat_dist.distributed._ledger_agreement import ReplayAgreement
+    from remat_dist.distributed._step import current_step
 
     t = torch.ones(1)
 
@@ -141,17 +141,20 @@ def _ledger_costs(n: int) -> dict[str, float]:
         )
 
     verified = timed(verify)
-    agreement = ReplayAgreement(prefix="remat_dist/bench")
+    rnd = current_step().round
     rounds = []
-    for i in range(20):
+    req0 = rnd.requests
+    for _ in range(20):  # one step's store rounds: the plan exchange and the report
         t0 = time.perf_counter()
-        agreement.agree(f"bench{i}", "fp")
+        rnd.exchange('{"p":"bench"}', timeout=60.0)
+        rnd.report(None, timeout=60.0)
         rounds.append(time.perf_counter() - t0)
     return {
         "all_reduce_bare": bare,
         "record_extra": record - bare,
         "verify_extra": verified - bare,
-        "agreement_round": statistics.median(rounds) * 1e6,
+        "step_rounds": statistics.median(rounds) * 1e6,
+        "store_requests_per_step": (rnd.requests - req0) / 20,
     }
 
 
@@ -232,7 +235,9 @@ def format_dist_table(result: dict[str, Any]) -> str:
     lines.append(
         f"\nledger cost (rank 0, 1-float all_reduce {costs['all_reduce_bare']:.0f} us bare): "
         f"record +{costs['record_extra']:.0f} us, verify +{costs['verify_extra']:.0f} us per "
-        f"collective; agreement round {costs['agreement_round']:.0f} us per replayed checkpoint"
+        f"collective; step agreement + report {costs['step_rounds']:.0f} us and "
+        f"{costs['store_requests_per_step']:.1f} store requests per rank per step "
+        "(any number of checkpoints)"
     )
     kinds = result["layouts"]["tp"]["remat replay"]["backward"]
     lines.append(f"tp backward collectives by kind (remat replay): {kinds}")

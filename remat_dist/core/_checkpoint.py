@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat_dist.core import _record
+from remat_dist.core import _record, _standin
 from remat_dist.core._hooks import (
     as_hooks,
     innermost_hooks,
@@ -214,7 +214,14 @@ def _run_checkpoint(
     ]
     forward_phase = _Phase(record, replay=False)
     replay_phase = _Phase(record, replay=True)
-    body = functools.partial(fn, **kwargs) if kwargs else fn
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+
+    def body(*a: Any) -> Any:
+        if record.pack_specs is None:
+            return call(*a)
+        with _standin.tracking(record):
+            return call(*a)
+
     with user_hooks if user_hooks is not None else nullcontext():
         token = inputs_of_var.set(name)
         try:
@@ -321,14 +328,22 @@ class _Phase:
             frame_var.reset(frame_token)
             raise
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         record = self.record
         frame_token, inputs_token = self._tokens.pop()
+        absorbed = False
         try:
             if self.replay:
                 record.stopped_early = exc_type is torch_checkpoint._StopRecomputationError
                 if record.stopped_early:
                     exc = None
+                elif (
+                    exc is not None
+                    and record.pack_specs is not None
+                    and _record.absorbs(record, exc)
+                ):
+                    _standin.complete_with_stand_ins(record)
+                    exc, absorbed = None, True
                 _restore(record, self._outside, "replay end")
                 self._outside = ()
             else:
@@ -344,6 +359,7 @@ class _Phase:
         finally:
             inputs_of_var.reset(inputs_token)
             frame_var.reset(frame_token)
+        return absorbed
 
 
 class _RegionCall:
@@ -532,7 +548,10 @@ def _checkpoint_hooks_below() -> tuple[Any, Any] | None:
     hooks = _top_hooks(False)
     if hooks is None:
         return None
-    if not getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
+    if not (
+        getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+        or _standin.is_tracker(hooks[0])
+    ):
         return None  # another hook sits in between: keep everything
     return hooks
 

@@ -161,6 +161,11 @@ class CheckpointRecord:
         extensions: per-observer data (the distributed ledger lives here).
         stopped_early: whether the last replay stopped before the function's end
             (torch's early stop: everything backward needs was recomputed).
+        pack_specs: None, or (set to a list by an observer on forward start) the
+            spec of every tensor torch's checkpoint saved, in order; lets the core
+            complete a failed replay with stand-ins (``_standin``).
+        replay_packs: saved tensors the current replay has recomputed so far
+            (counted while ``pack_specs`` is tracked).
     """
 
     __slots__ = (
@@ -175,6 +180,8 @@ class CheckpointRecord:
         "replaying",
         "replay_count",
         "stopped_early",
+        "pack_specs",
+        "replay_packs",
         "_cursor",
         "_stack",
         "_names",
@@ -199,6 +206,8 @@ class CheckpointRecord:
         self.replaying = False
         self.replay_count = 0
         self.stopped_early = False
+        self.pack_specs: list[Any] | None = None
+        self.replay_packs = 0
         self._cursor = 0
         self._stack: list[RegionRecord] = []
         self._names: set[str] = set()
@@ -260,6 +269,12 @@ class CheckpointObserver(Protocol):
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
     ) -> None: ...
 
+    def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
+        """A replay raised ``error``. Return True to absorb it: the core completes
+        the replay with stand-ins (needs ``record.pack_specs``) and backward goes
+        on with wrong values, so the observer must make the step fail later."""
+        ...
+
 
 _observers: list[Any] = []
 
@@ -278,6 +293,16 @@ def register_observer(observer: Any) -> _ObserverHandle:
     this process; returns a handle whose ``remove()`` detaches it."""
     _observers.append(observer)
     return _ObserverHandle(observer)
+
+
+def absorbs(record: CheckpointRecord, error: BaseException) -> bool:
+    """Whether an observer absorbs ``error`` raised in ``record``'s replay."""
+    absorbed = False
+    for obs in tuple(_observers):
+        method = getattr(obs, "on_replay_error", None)
+        if method is not None and method(record, error):
+            absorbed = True
+    return absorbed
 
 
 def notify(event: str, *args: Any) -> None:

@@ -6,15 +6,23 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   issues; replay checks each one before issuing it (``collectives="replay"``) or
   issues none and serves the kept outputs (``collectives="save"``); divergence
   raises :class:`~remat_dist.errors.CollectiveReplayError` on every rank;
-* plan consistency (:func:`check_plan_consistency`, ``verify_plan=True``);
+* one plan agreement per step, before backward's first collective, and one
+  failure report at backward's end (:func:`check_plan_consistency` moves the
+  agreement earlier; :func:`mark_step` makes a rank that checkpoints nothing take
+  part);
 * the default state hooks: ``checkpoint`` keeps this rank's RNG aligned on replay
   without user code (see :func:`default_state_hooks`).
 
 Without an initialised process group none of it costs anything.
 """
 
-from remat_dist.distributed._plan import check_plan_consistency
-from remat_dist.distributed._replay import ledger_of, set_replay_timeout
+from remat_dist.distributed._replay import ledger_of
+from remat_dist.distributed._step import (
+    check_plan_consistency,
+    mark_step,
+    reset_step_state,
+    set_replay_timeout,
+)
 from remat_dist.distributed.rng import (
     CPURNGStateHook,
     DeviceRNGStateHook,
@@ -45,6 +53,8 @@ __all__ = [
     "PlanMismatchError",
     "check_plan_consistency",
     "ledger_of",
+    "mark_step",
+    "reset_step_state",
     "set_replay_timeout",
     "CPURNGStateHook",
     "DTensorRNGStateHook",

@@ -5,15 +5,16 @@ never imports this. With a process group:
 
 * forward: every collective issued inside the checkpoint is recorded in a
   :class:`CollectiveLedger` on the checkpoint's record (``collectives="save"`` also
-  keeps their outputs);
-* replay, ``collectives="replay"`` / ``"verify"``: each collective is checked
-  against the ledger *before* it is issued; ``"save"``: none is issued, the kept
-  outputs are served;
-* the ranks agree through the c10d store (no collective) on the ledger before the
-  replay issues its first collective and conclude through it at the end, and a rank
-  that diverges mid-replay first releases its peers; so divergence raises
-  :class:`~remat_dist.errors.CollectiveReplayError` on every rank within
-  :data:`REPLAY_TIMEOUT_S`, never a hang.
+  keeps their outputs), stamped with how many tensors the checkpoint had saved;
+  at the forward's end the checkpoint's plan joins the step's (``_step``);
+* replay: the step's plan agreement runs first if this backward has not run it;
+  then each collective is checked against the collectives this replay must issue
+  *before* it is issued (``collectives="replay"``), or served from the kept
+  outputs (``"save"``);
+* a replay that diverges or raises is absorbed: the rank releases what its peers
+  wait for, the core completes the replay with stand-ins, and the step's report at
+  the end of backward raises :class:`~remat_dist.errors.CollectiveReplayError` on
+  every rank. A communication failure (timeout, dead peer) raises at once.
 
 FSDP2's own all-gathers and reduce-scatters are left out of the ledger: they belong
 to FSDP2's state machine (which unshards before backward reaches the block and
@@ -29,24 +30,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.utils.checkpoint as torch_checkpoint
+
 from remat_dist.core._record import CheckpointRecord, RegionRecord, register_observer
-from remat_dist.distributed._collectives import (
-    CollectiveCall,
-    CollectiveLedger,
+from remat_dist.distributed import _step
+from remat_dist.distributed._intercept import CollectiveCall, observe_collectives
+from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
+from remat_dist.distributed._verify import (
     RecordCollectives,
     ServeCollectives,
     VerifyCollectives,
-    observe_collectives,
+    is_comm_failure,
 )
-from remat_dist.distributed._ledger_agreement import ReplayAgreement
 
-__all__ = ["LEDGER_KEY", "REPLAY_TIMEOUT_S", "LedgerState", "ledger_of", "set_replay_timeout"]
+__all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
 
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
-
-REPLAY_TIMEOUT_S = 20.0
-"""Default bound (seconds) for a rank to reach a replay's agreement point."""
 
 _FSDP_FILES = ("/distributed/fsdp/_fully_shard/", "\\distributed\\fsdp\\_fully_shard\\")
 
@@ -74,6 +74,8 @@ class LedgerState:
 
     ledger: CollectiveLedger
     mode: str
+    early_stop: bool = True
+    """Whether torch's checkpoint stops the replay at the last saved tensor."""
     fsdp_collectives: int = 0
     """FSDP2 collectives issued inside the forward (not in the ledger)."""
     replays: list[dict[str, int]] = field(default_factory=list)
@@ -86,6 +88,17 @@ class LedgerState:
     _recorder: Any = None
     _starts: dict[int, int] = field(default_factory=dict)
     _keep: list[bool] = field(default_factory=list)
+
+    def replay_plan(self, forward_packs: int) -> list[CollectiveEntry]:
+        """The collectives a replay issues, in order: the forward's, minus those of
+        skipped save regions, up to torch's early stop at the last saved tensor."""
+        skipped = {i for a, b in self.spans.values() for i in range(a, b)}
+        return [
+            e
+            for i, e in enumerate(self.ledger.entries)
+            if i not in skipped
+            and (not self.early_stop or e.packs_before < 0 or e.packs_before < forward_packs)
+        ]
 
 
 class _SkipFSDP:
@@ -105,56 +118,43 @@ class _SkipFSDP:
             return issue()
         return self.inner.on_collective(call, issue)
 
-    def on_extent_error(self, exc: BaseException) -> None:
-        handler = getattr(self.inner, "on_extent_error", None)
-        if handler is not None:
-            handler(exc)
-
-
-_agreements: dict[str, ReplayAgreement] = {}
-_timeout = REPLAY_TIMEOUT_S
-
-
-def set_replay_timeout(seconds: float) -> None:
-    """Bound (seconds) for every rank to reach a replay's agreement point; past it,
-    each rank raises instead of waiting. Call it on every rank before training."""
-    global _timeout
-    _timeout = float(seconds)
-    for a in _agreements.values():
-        a.timeout = _timeout
-
-
-def _agreement() -> ReplayAgreement:
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    key = str(world.group_name)
-    agreement = _agreements.get(key)
-    if agreement is None or agreement.group is not world:
-        # first use, or the process group was destroyed and created again
-        agreement = _agreements[key] = ReplayAgreement(timeout=_timeout)
-    return agreement
-
-
-def _dist_ready() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
 
 def ledger_of(record: CheckpointRecord) -> LedgerState | None:
     """The collective ledger state of ``record`` (None without a process group)."""
     return record.extensions.get(LEDGER_KEY)
 
 
+def plan_of(record: CheckpointRecord) -> list[Any]:
+    """One checkpoint's plan entry: its name, collective mode, and each region's
+    decision and collective mode (regions nested in save regions never replay)."""
+    mode = record.options["collectives"]
+    mode = "replay" if mode == "verify" else mode
+    return [
+        record.name,
+        mode,
+        [
+            [r.local_name, "recompute" if r.recompute else "save", r.collectives or mode]
+            for r in record.regions
+            if not r.inside_save
+        ],
+    ]
+
+
 class _LedgerObserver:
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
-        if not _dist_ready():
+        if not _step.dist_ready():
             return
         if not replay:
             mode = record.options["collectives"]
-            state = LedgerState(CollectiveLedger(), mode)
-            recorder = RecordCollectives(state.ledger, keep_outputs=mode == "save")
+            early = torch_checkpoint._enable_checkpoint_early_stop is not False
+            state = LedgerState(CollectiveLedger(), mode, early_stop=early)
+            specs: list[Any] = []
+            record.pack_specs = specs
+            recorder = RecordCollectives(
+                state.ledger, keep_outputs=mode == "save", packs=specs.__len__
+            )
             state._recorder = recorder
+            _step.current_step().arm()
             state._extent = observe_collectives(_SkipFSDP(recorder, state, None))
             state._extent.__enter__()
             record.extensions[LEDGER_KEY] = state
@@ -164,48 +164,33 @@ class _LedgerObserver:
             return
         import torch.distributed as dist
 
-        served = any(e.kept is not None for e in state.ledger.entries)
+        _step.current_step().replay_starts()
+        expected = state.replay_plan(len(record.pack_specs or ()))
+        served = any(e.kept is not None for e in expected)
         cls = ServeCollectives if served else VerifyCollectives
         counts = {"issued": 0, "served": 0, "fsdp": 0}
         state.replays.append(counts)
-        observer = cls(
-            state.ledger, label=record.name, rank=dist.get_rank(), agreement=_agreement()
+        state._observer = cls(
+            expected,
+            label=record.name,
+            rank=dist.get_rank(),
+            op_timeout=_step.replay_timeout(),
+            forward_total=len(state.ledger),
         )
-        state._observer = observer
-        if state.ledger:
-            # Agree before anything is issued, on what this rank will replay: the
-            # forward's collectives minus those of skipped save regions. Ranks that
-            # decide differently (or recorded differently) all raise here.
-            skipped = {i for a, b in state.spans.values() for i in range(a, b)}
-            replayable = CollectiveLedger(
-                [e for i, e in enumerate(state.ledger.entries) if i not in skipped]
-            )
-            observer._agreed = True
-            observer.agreement.agree(
-                record.name,
-                f"{replayable.fingerprint()}/{state.ledger.fingerprint()}",
-                what="the collectives to replay (forward ledger minus skipped save regions)",
-            )
-        state._extent = observe_collectives(_SkipFSDP(observer, state, counts))
+        state._extent = observe_collectives(_SkipFSDP(state._observer, state, counts))
         state._extent.__enter__()
 
     def on_region_start(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
     ) -> None:
         state = None if record is None else ledger_of(record)
-        if state is None or state._extent is None:
+        if state is None or state._extent is None or replay:
             return
-        if not replay:
-            if region.is_save:
-                state._starts[region.index] = len(state.ledger)
-            if region.collectives is not None:
-                state._keep.append(state._recorder.keep_outputs)
-                state._recorder.keep_outputs = region.collectives == "save"
-            return
-        span = state.spans.get(region.index)
-        observer = state._observer
-        if span is not None and observer is not None and observer.position == span[0]:
-            observer.position = span[1]  # the region is skipped: so are its collectives
+        if region.is_save:
+            state._starts[region.index] = len(state.ledger)
+        if region.collectives is not None:
+            state._keep.append(state._recorder.keep_outputs)
+            state._recorder.keep_outputs = region.collectives == "save"
 
     def on_region_end(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
@@ -219,27 +204,36 @@ class _LedgerObserver:
         if region.collectives is not None:
             state._recorder.keep_outputs = state._keep.pop()
 
+    def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
+        state = ledger_of(record)
+        observer = None if state is None else state._observer
+        if observer is None or is_comm_failure(error):
+            return False
+        _step.current_step().fail(observer.fail(error))
+        return True
+
     def on_checkpoint_end(
         self, record: CheckpointRecord, replay: bool, error: BaseException | None
     ) -> None:
         state = ledger_of(record)
         if state is None or state._extent is None:
             return
-        if not replay:
-            state._recorder = None
         extent, state._extent = state._extent, None
         observer, state._observer = state._observer, None
-        try:
-            if observer is not None:
-                if error is None:
-                    observer.finish(complete=not record.stopped_early)
-                else:
-                    observer.on_extent_error(error)
-        finally:
-            extent.__exit__(None, None, None)
-            if observer is not None:
-                state.replays[-1]["issued"] = observer.issued
-                state.replays[-1]["served"] = observer.served
+        extent.__exit__(None, None, None)
+        if not replay:
+            state._recorder = None
+            if error is None:
+                _step.current_step().add_checkpoint(
+                    plan_of(record), state.ledger.group_fingerprints()
+                )
+            return
+        counts = state.replays[-1]
+        counts["issued"], counts["served"] = observer.issued, observer.served
+        if error is None and observer.failure is None:
+            failure = observer.finish()
+            if failure is not None:
+                _step.current_step().fail(failure)
 
 
 _handle = register_observer(_LedgerObserver())

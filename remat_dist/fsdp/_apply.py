@@ -68,6 +68,7 @@ from torch import nn
 
 from remat_dist.core import checkpoint, recompute_needs_tensor, region
 from remat_dist.core._types import RecomputeStateHook
+from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
 
@@ -84,6 +85,9 @@ BLOCK_ATTR = "_remat_dist_block"
 
 REGION_ATTR = "_remat_dist_region"
 """Instance attribute of a submodule turned into a region: its :class:`_RegionSpec`."""
+
+STEP_HOOK_ATTR = "_remat_dist_step_hook"
+"""On the model: the handle of the pre-hook that calls ``mark_step()``."""
 
 REGION_MODES = ("save", "recompute")
 
@@ -409,6 +413,10 @@ def apply_remat(
         )
 
     plans: list[tuple[str, nn.Module, dict[str, str]]] = []
+    if STEP_HOOK_ATTR not in model.__dict__:
+        # Every rank takes part in each step's plan agreement, also one whose
+        # policy checkpoints nothing (so a rank-dependent policy raises everywhere).
+        model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_mark_step)
     for index, (name, module) in enumerate(selected):
         regions = _resolve_policy(policy, index, name, module)
         if regions is None:
@@ -460,6 +468,11 @@ def apply_remat(
     return model
 
 
+def _mark_step(module: nn.Module, args: Any) -> None:
+    if torch.is_grad_enabled():
+        mark_step()
+
+
 def _restore_forward(module: nn.Module, previous: Any) -> None:
     if previous is None:
         module.__dict__.pop("forward", None)
@@ -470,6 +483,9 @@ def _restore_forward(module: nn.Module, previous: Any) -> None:
 def remove_remat(model: nn.Module) -> nn.Module:
     """Undo every :func:`apply_remat` on ``model`` (blocks and policy regions);
     returns ``model``. A no-op where nothing was applied."""
+    hook = model.__dict__.pop(STEP_HOOK_ATTR, None)
+    if hook is not None:
+        hook.remove()
     for _, module in model.named_modules():
         spec = module.__dict__.pop(REGION_ATTR, None)
         if spec is not None:

@@ -191,6 +191,10 @@ class _Worker:
                 args.insert(0, ctx)
             if owner is not None:
                 args.insert(0, owner())
+        if task.shared_dir:
+            from remat_dist.distributed import reset_step_state
+
+            reset_step_state(task.shared_dir)  # the same on every rank of the call
         _set_current(ctx)
         try:
             return fn(*args, **task.kwargs)

@@ -1,4 +1,4 @@
-"""The collective ledger on real gloo ranks: observe, verify, serve, agree.
+"""The collective ledger on real gloo ranks: observe, verify, serve, release, store rounds.
 
 Every test body runs on 2 (or 4) long-lived rank processes of the harness. "Issued"
 is checked against gloo's own count of collectives
@@ -26,7 +26,7 @@ from remat_dist.distributed._collectives import (
     interception_key,
     observe_collectives,
 )
-from remat_dist.distributed._ledger_agreement import ReplayAgreement
+from remat_dist.distributed._store_round import RoundTimeout, StoreRound
 from remat_dist.errors import CollectiveReplayError
 from remat_dist.testing import distributed
 
@@ -39,9 +39,12 @@ def _ops(ledger: CollectiveLedger) -> list[str]:
     return [e.op for e in ledger]
 
 
-def _agreement(ctx, timeout: float = 20.0) -> ReplayAgreement:
+def _round(ctx) -> StoreRound:
     # shared_dir is unique per call and equal on every rank: a fresh key space.
-    return ReplayAgreement(timeout=timeout, prefix=f"test{ctx.shared_dir}")
+    from torch.distributed import distributed_c10d as c10d
+
+    store = dist.PrefixStore(f"test{ctx.shared_dir}", c10d._get_default_store())
+    return StoreRound(store, tuple(range(ctx.world_size)), ctx.rank)
 
 
 def _healthy(ctx) -> None:
@@ -307,7 +310,7 @@ def test_verify_identical_replay_passes(ctx):
     v = VerifyCollectives(ledger, label="layers.0")
     with observe_collectives(v):
         again = _workload(ctx.rank)
-    v.finish()
+    assert v.finish() is None
     assert v.issued == len(ledger) == 5 == _seq() - s0
     assert torch.equal(first, again)
 
@@ -319,7 +322,7 @@ def test_verify_identical_replay_passes(ctx):
         ("dtype", 3, "in=[f32[2]]", "in=[f64[2]]"),
         ("op", 4, "allreduce_ on group", "broadcast_ on group"),
         ("param", 4, "reduce_op=SUM", "reduce_op=MAX"),
-        ("extra", 5, "nothing (the forward issued 5 collective(s))", "allreduce_"),
+        ("extra", 5, "nothing more (this replay issues 5 of the forward's 5", "allreduce_"),
     ],
 )
 @distributed(world_size=2)
@@ -332,30 +335,30 @@ def test_verify_raises_before_issuing(ctx, variant, position, expected, actual):
             _workload(ctx.rank, variant)
     msg = str(info.value)
     assert f"rank {ctx.rank}, checkpoint 'layers.3'" in msg
-    assert f"collective #{position} of the replay" in msg
+    assert f"collective {position + 1} of the replay" in msg  # counted from 1
     exp_line = next(ln for ln in msg.splitlines() if "expected:" in ln)
     act_line = next(ln for ln in msg.splitlines() if "actual:" in ln)
     assert expected in exp_line and actual in act_line
     assert "collectives='save'" in msg  # names the fix
-    assert _seq() - s0 == position  # the differing collective was not issued
+    # the differing collective was not issued; the peer's expected rest was
+    # released (both ranks diverge alike here, so both sequences stay equal)
+    assert _seq() - s0 == 5
+    assert v.failure == msg
     _healthy(ctx)
 
 
 @distributed(world_size=2)
-def test_verify_finish_names_missing_entries(ctx):
+def test_verify_finish_names_and_releases_missing_entries(ctx):
     ledger, _ = _record(ctx.rank)
     v = VerifyCollectives(ledger, label="blk")
+    s0 = _seq()
     with observe_collectives(v):
         dist.all_reduce(torch.full((4,), 1.0))
-    with pytest.raises(
-        CollectiveReplayError, match=r"ended after 1 of the forward's 5"
-    ):
-        v.finish()
-    assert "#1: _allgather_base_" in str(v._failed)
-    short = VerifyCollectives(ledger, label="blk")
-    with observe_collectives(short):
-        dist.all_reduce(torch.full((4,), 1.0))
-    short.finish(complete=False)  # an early stop on purpose is not an error
+    msg = v.finish()
+    assert "ended after 1 of its 5 collective(s)" in msg
+    assert "#1: _allgather_base_" in msg
+    assert _seq() - s0 == 5  # the 4 missing ones were released on zero buffers
+    _healthy(ctx)
 
 
 @distributed(world_size=2)
@@ -381,7 +384,7 @@ def test_verify_inside_torch_checkpoint_recompute_with_early_stop(ctx):
     s0 = _seq()
     y.sum().backward()
     assert v.position == 1 and _seq() - s0 == 1  # recompute stopped after #0
-    assert v._failed is None
+    assert v.failure is None
     # autograd does not see the all_reduce: d sin(a)/dx = 2 cos(a), a = 2 x * world
     assert torch.allclose(x.grad, 2 * torch.cos(2 * ctx.world_size * x))
 
@@ -398,7 +401,7 @@ def test_serve_issues_nothing_and_returns_the_same_values(ctx):
     s = ServeCollectives(ledger, label="blk")
     with observe_collectives(s):
         served = _workload(ctx.rank)
-    s.finish()
+    assert s.finish() is None
     assert _seq() - s0 == 0 and s.issued == 0 and s.served == 5
     assert torch.equal(first, served)
     with pytest.raises(CollectiveReplayError, match="of the serving differs"):
@@ -427,7 +430,7 @@ def test_serve_reissues_point_to_point(ctx):
     s = ServeCollectives(rec.ledger, label="pp")
     with observe_collectives(s):
         again = work()
-    s.finish()
+    assert s.finish() is None
     assert (s.served, s.issued) == (1, 1)  # both ends re-issue the transfer
     assert _seq() - s0 == 1
     assert torch.equal(first, again)
@@ -443,12 +446,12 @@ def test_fingerprint_is_rank_invariant_on_a_2d_mesh(ctx):
     tp_ranks = ctx.all_gather_object(rec.ledger[0].group_ranks)
     assert tp_ranks == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert len(set(ctx.all_gather_object(rec.ledger.fingerprint()))) == 1
-    ag = _agreement(ctx)
-    v = VerifyCollectives(rec.ledger, label="blk", agreement=ag)
-    with observe_collectives(v):
-        dist.all_reduce(torch.ones(4), group=tp)
-        funcol.all_gather_tensor(torch.ones(2), 0, dp).wait()
-    v.finish()  # agreed and concluded over the 4 ranks
+    # per group: the members of one TP group hold the same fingerprint under the
+    # group's own name; the other TP group's is another key
+    tp_key = f"{tp.group_name}/2"
+    fps = ctx.all_gather_object((tp_key, rec.ledger.group_fingerprints()[tp_key]))
+    assert fps[0] == fps[1] and fps[2] == fps[3]  # one TP group, one fingerprint
+    assert fps[0][0] != fps[2][0]  # the other TP group: its own key
 
 
 @distributed(world_size=2)
@@ -511,51 +514,58 @@ def test_serve_tensor_parallel_forward_and_backward(ctx):
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
 
 
-# ---------------------------------------------------------------------- agreement
+# ------------------------------------------------------------------- store rounds
 
 
 @distributed(world_size=2)
-def test_agreement_passes_and_raises_on_every_rank(ctx):
-    ag = _agreement(ctx, timeout=20.0)
+def test_store_rounds_pass_and_judge_on_every_rank(ctx):
+    rnd = _round(ctx)
     for _ in range(3):
-        ag.agree("layers.0", "abc:2")
-        ag.conclude("layers.0", None)
+        assert rnd.exchange("abc", timeout=20.0) is None
+        assert rnd.report(None, timeout=20.0) is None
     t0 = time.perf_counter()
-    with pytest.raises(CollectiveReplayError) as info:
-        ag.agree("layers.0", "abc:2" if ctx.rank == 0 else "def:3")
+    values = rnd.exchange("abc" if ctx.rank == 0 else "def", timeout=20.0)
     assert time.perf_counter() - t0 < 5.0  # a verdict, not the timeout
-    msg = str(info.value)
-    assert f"rank {ctx.rank}, checkpoint 'layers.0'" in msg
-    assert "ranks [0]: ledger abc (2 collectives)" in msg
-    assert "ranks [1]: ledger def (3 collectives)" in msg
-    with pytest.raises(CollectiveReplayError, match=r"failed on ranks \[1\]"):
-        ag.conclude("layers.0", "boom on rank 1" if ctx.rank == 1 else None)
+    assert values == {0: "abc", 1: "def"}
+    failures = rnd.report("boom on rank 1" if ctx.rank == 1 else None, timeout=20.0)
+    assert failures == {1: "boom on rank 1"}
+    # fault-free costs per rank: an exchange 4 store requests, a report 3 (the
+    # last rank to arrive makes a few more to judge and reset)
+    before = rnd.requests
+    rnd.exchange("x", timeout=20.0)
+    rnd.report(None, timeout=20.0)
+    assert rnd.requests - before <= 12
     _healthy(ctx)
 
 
 @distributed(world_size=2)
-def test_agreement_times_out_naming_the_absent_rank(ctx):
-    ag = _agreement(ctx, timeout=1.0)
+def test_store_round_times_out_and_a_late_rank_reads_the_abort(ctx):
+    rnd = _round(ctx)
     if ctx.rank == 0:
         t0 = time.perf_counter()
-        with pytest.raises(
-            CollectiveReplayError, match=r"ranks \[1\] of group"
-        ) as info:
-            ag.agree("layers.7", "abc:1")
+        with pytest.raises(RoundTimeout) as info:
+            rnd.exchange("abc", timeout=1.0)
         assert 0.9 < time.perf_counter() - t0 < 5.0
-        assert "did not reach this replay's start within 1 s" in str(info.value)
+        assert info.value.missing == [1] and info.value.by is None
     ctx.barrier()
+    if ctx.rank == 1:  # arrives after rank 0 gave up: raises at once, too
+        t0 = time.perf_counter()
+        with pytest.raises(RoundTimeout) as info:
+            rnd.exchange("abc", timeout=20.0)
+        assert time.perf_counter() - t0 < 1.0
+        assert info.value.by == 0
+    assert rnd.exchange("next", timeout=20.0) is None  # rounds still aligned
 
 
 @distributed(world_size=2)
-def test_agreement_deletes_old_rounds(ctx):
-    ag = _agreement(ctx)
-    for _ in range(5):
-        ag.agree("blk", "x:1")
+def test_store_rounds_delete_what_every_rank_has_left(ctx):
+    rnd = _round(ctx)
+    for i in range(6):
+        rnd.exchange(f"v{i}", timeout=20.0)
     ctx.barrier()
-    store = ag.store
-    assert not store.check(["agree/blk/0/n"]) and not store.check(["agree/blk/2/v/0"])
-    assert store.check(["agree/blk/4/done"])
+    st = rnd.store
+    assert not any(st.check([k]) for k in ("n/0", "d/0", "v/0/0", "v/3/1", "n/3"))
+    assert st.check(["n/5", "d/5", f"v/5/{ctx.rank}"])
 
 
 # -------------------------------------------------- divergence in the middle of a replay
@@ -563,13 +573,15 @@ def test_agreement_deletes_old_rounds(ctx):
 
 @pytest.mark.parametrize("how", ["first", "extra", "shape", "skip", "raise"])
 @distributed(world_size=2)
-def test_mid_replay_divergence_raises_on_every_rank(ctx, how):
+def test_mid_replay_divergence_releases_the_peer(ctx, how):
     """Rank 1 diverges after one good collective; rank 0 follows the ledger and would
-    block in collective #1 forever. Rank 1 releases it; both raise, fast."""
+    block in collective 2 forever. Rank 1 releases everything rank 0 still expects,
+    so rank 0's replay completes and both sequences stay equal."""
     ledger, _ = _record(ctx.rank)
-    v = VerifyCollectives(ledger, label="layers.2", agreement=_agreement(ctx, 30.0))
+    v = VerifyCollectives(ledger, label="layers.2")
+    s0 = _seq()
     t0 = time.perf_counter()
-    with pytest.raises(Exception) as info:
+    try:
         with observe_collectives(v):
             if ctx.rank == 0:
                 _workload(0)
@@ -583,26 +595,28 @@ def test_mid_replay_divergence_raises_on_every_rank(ctx, how):
                     dist.all_gather_into_tensor(torch.empty(6), torch.ones(3))
                 elif how == "raise":
                     raise ValueError("data-dependent failure on rank 1")
-        v.finish()
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 10.0, elapsed  # released, not the 30 s timeout
-    err = info.value
-    if how == "raise" and ctx.rank == 1:
-        assert isinstance(err, ValueError)  # its own error is the clearer one
+    except CollectiveReplayError as err:
+        assert ctx.rank == 1 and str(err) == v.failure
+    except ValueError as err:
+        assert ctx.rank == 1 and how == "raise"
+        v.fail(err)
+    failure = v.finish()
+    assert time.perf_counter() - t0 < 10.0  # released, never a timeout
+    assert _seq() - s0 == 5  # every rank issued the 5 expected collectives
+    if ctx.rank == 0:
+        assert failure is None
     else:
-        assert isinstance(err, CollectiveReplayError), repr(err)
-        msg = str(err)
-        assert "checkpoint 'layers.2'" in msg and "ranks [1]" in msg
+        assert "checkpoint 'layers.2'" in failure
         if how == "first":
-            assert "[rank 1] rank 1, checkpoint 'layers.2': collective #0" in msg
-            assert "actual:   broadcast_" in msg
+            assert "collective 1 of the replay" in failure
+            assert "actual:   broadcast_" in failure
         elif how in ("extra", "shape"):
-            assert "[rank 1] rank 1, checkpoint 'layers.2': collective #1" in msg
-            assert "expected: _allgather_base_" in msg
+            assert "collective 2 of the replay" in failure
+            assert "expected: _allgather_base_" in failure
         elif how == "skip":
-            assert "ended after 1 of the forward's 5" in msg
+            assert "ended after 1 of its 5" in failure
         else:
-            assert "ValueError: data-dependent failure on rank 1" in msg
+            assert "ValueError: data-dependent failure on rank 1" in failure
     _healthy(ctx)
 
 

@@ -1,0 +1,106 @@
+"""Completing a failed replay with stand-ins, so that backward can go on.
+
+An observer may *absorb* an exception raised inside a replay
+(``CheckpointObserver.on_replay_error`` returns True). The core then hands torch's
+recompute hook a zero-filled stand-in, of the forward's shape, strides, dtype,
+device and tensor subclass, for every saved tensor the replay did not recompute,
+and backward continues on this process with wrong values. This exists for
+``remat_dist.distributed``: a rank whose replay fails must keep issuing the same
+collectives as its peers until all of them can raise together; an observer that
+absorbs an error must make sure the step fails later.
+
+The stand-ins need each saved tensor's metadata, recorded on forward by a pack hook
+pushed just above torch's (only for records whose ``pack_specs`` an observer set
+to a list), which also counts the tensors a replay recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+if TYPE_CHECKING:
+    from remat_dist.core._record import CheckpointRecord
+
+__all__ = ["complete_with_stand_ins", "is_tracker", "pack_spec", "tracking"]
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_OPAQUE = object()
+
+
+def pack_spec(t: Any) -> tuple[Any, ...]:
+    """What a stand-in for ``t`` needs: subclass structure, shape, strides, dtype
+    (an inner attribute that is not a tensor, such as a DTensor's mesh, is kept)."""
+    if not isinstance(t, torch.Tensor):
+        return (_OPAQUE, t)
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) or flatten is None:
+        return (None, tuple(t.shape), t.stride(), t.dtype, t.device)
+    names, ctx = flatten()
+    inner = {n: pack_spec(getattr(t, n)) for n in names}
+    return (type(t), ctx, inner, tuple(t.shape), t.stride())
+
+
+def make_stand_in(spec: tuple[Any, ...]) -> Any:
+    cls = spec[0]
+    if cls is _OPAQUE:
+        return spec[1]
+    if cls is None:
+        _, shape, stride, dtype, device = spec
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+    _, ctx, inner, shape, stride = spec
+    tensors = {n: make_stand_in(s) for n, s in inner.items()}
+    return cls.__tensor_unflatten__(tensors, ctx, shape, stride)
+
+
+def is_tracker(pack: Any) -> bool:
+    return getattr(pack, "_remat_tracker", False)
+
+
+@contextlib.contextmanager
+def tracking(record: CheckpointRecord) -> Iterator[None]:
+    """Inside torch's checkpoint hook: on forward, record each saved tensor's spec;
+    on replay, count the saved tensors recomputed so far."""
+    below = _top_hooks(False)
+    if below is None:
+        yield
+        return
+    pack_below, unpack_below = below
+    specs = record.pack_specs
+    assert specs is not None
+    if record.replaying:
+        record.replay_packs = 0
+
+        def pack(t: torch.Tensor) -> Any:
+            record.replay_packs += 1
+            return pack_below(t)
+
+    else:
+
+        def pack(t: torch.Tensor) -> Any:
+            specs.append(pack_spec(t))
+            return pack_below(t)
+
+    pack._remat_tracker = True  # type: ignore[attr-defined]
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
+        yield
+
+
+def complete_with_stand_ins(record: CheckpointRecord) -> None:
+    """Hand torch's recompute hook a stand-in for every saved tensor this replay did
+    not recompute (runs inside the recompute context, after the replay raised)."""
+    hooks = _top_hooks(False)
+    specs = record.pack_specs or []
+    if hooks is None:
+        return
+    with torch.no_grad():
+        try:
+            for spec in specs[record.replay_packs :]:
+                hooks[0](make_stand_in(spec))
+                record.replay_packs += 1
+        except torch_checkpoint._StopRecomputationError:
+            pass

@@ -1,0 +1,362 @@
+"""Interception of every ``c10d::`` collective on the calling thread (see
+``_collectives`` for why a ``Fake``-key kernel and what it catches), the observer
+stack of ``observe_collectives``, and the backward watch: a process-wide hook run
+before the first collective issued inside a backward pass while a step is armed,
+which is where the step's plan agreement runs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from remat_dist.distributed._optable import (
+    TensorMeta,
+    _flatten,
+    _group_info,
+    _GroupInfo,
+    _NOT_COLLECTIVES,
+    _OpSpec,
+    _param_value,
+    _spec_for,
+    describe_signature,
+)
+
+__all__ = [
+    "CollectiveCall",
+    "CollectiveObserver",
+    "interception_key",
+    "observe_collectives",
+    "set_backward_watch",
+]
+
+
+class CollectiveCall:
+    """One collective about to be issued, as an observer sees it.
+
+    ``op`` is the ``c10d::`` op name (``allreduce_``, ``_allgather_base_``, ...);
+    ``group``, ``inputs``, ``outputs`` and ``params`` are computed on first use.
+    """
+
+    __slots__ = ("_spec", "args", "_keyset", "_group", "_sig")
+
+    def __init__(self, spec: _OpSpec, args: tuple[Any, ...], keyset: Any) -> None:
+        self._spec = spec
+        self.args = args
+        self._keyset = keyset
+        self._group: _GroupInfo | None = None
+        self._sig: tuple[Any, ...] | None = None
+
+    @property
+    def op(self) -> str:
+        return self._spec.name
+
+    @property
+    def group(self) -> _GroupInfo:
+        if self._group is None:
+            self._group = _group_info(self.args[self._spec.group_idx])
+        return self._group
+
+    def _arg(self, i: int) -> Any:
+        args = self.args
+        return args[i] if i < len(args) else self._spec.defaults[i]
+
+    def output_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for i in self._spec.out_idx:
+            _flatten(self._arg(i), out)
+        return out
+
+    def input_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for i in self._spec.in_idx:
+            _flatten(self._arg(i), out)
+        return out
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        """What verification compares: op, group, metas, parameters."""
+        if self._sig is None:
+            spec = self._spec
+            ins = tuple(TensorMeta.of(t) for t in self.input_tensors())
+            outs = (
+                ins
+                if spec.out_idx == spec.in_idx
+                else tuple(TensorMeta.of(t) for t in self.output_tensors())
+            )
+            params = tuple((n, _param_value(n, self._arg(i))) for n, i in spec.params)
+            g = self.group
+            self._sig = (spec.name, g.name, g.ranks, ins, outs, params)
+        return self._sig
+
+    def set_timeout(self, seconds: float) -> bool:
+        """Issue this call with a timeout of ``seconds`` (False: the op has none)."""
+        if self._spec.timeout_idx is None:
+            return False
+        self.args = _with_timeout(self._spec, self.args, seconds)
+        return True
+
+    def _servable(self) -> bool:
+        return self._spec.servable and all(
+            t.layout == torch.strided for t in self.input_tensors()
+        )
+
+    def describe(self) -> str:
+        op, gname, granks, ins, outs, params = self.signature
+        return describe_signature(op, gname, granks, ins, outs, params)
+
+    def _issue(self) -> Any:
+        return self._spec.overload._handle.redispatch_boxed(
+            self._keyset & _AFTER, *self.args
+        )
+
+
+# --------------------------------------------------------------- installation
+
+_install_lock = threading.Lock()
+_installed = False
+_KEY: Any = None  # torch._C.DispatchKey
+_KEY_NAME = ""
+_TLS_TOGGLED = True  # False: always reached (BackendSelect), check the stack
+_AFTER: Any = None  # keyset of the keys below ours
+_LIBS: list[Any] = []
+_SPECS: dict[str, _OpSpec] = {}
+_AVAILABLE: bool | None = None
+
+
+def _dist_available() -> bool:
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            import torch.distributed as dist
+
+            _AVAILABLE = bool(dist.is_available())
+        except Exception:
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+def _choose_key() -> tuple[str, bool]:
+    try:
+        fake = torch._C._parse_dispatch_key("Fake")
+    except Exception:
+        fake = None
+    if (
+        fake is not None
+        and not torch._C._dispatch_has_backend_fallback(fake)
+        and not torch._C._dispatch_get_registrations_for_dispatch_key("Fake")
+    ):
+        return "Fake", True
+    return "BackendSelect", False
+
+
+def _install() -> None:
+    global _installed, _KEY, _KEY_NAME, _TLS_TOGGLED, _AFTER
+    with _install_lock:
+        if _installed:
+            return
+        import torch.distributed  # noqa: F401  (registers the c10d ops)
+        from torch.library import Library, fallthrough_kernel
+
+        name, toggled = _choose_key()
+        key = torch._C._parse_dispatch_key(name)
+        libs = []
+        if toggled:
+            fb = Library("_", "IMPL")
+            fb.fallback(fallthrough_kernel, name)
+            libs.append(fb)
+        lib = Library("c10d", "IMPL")
+        specs: dict[str, _OpSpec] = {}
+        for qual in torch._C._dispatch_get_all_op_names():
+            if not qual.startswith("c10d::"):
+                continue
+            op_name = qual.split("::", 1)[1]
+            if op_name in _NOT_COLLECTIVES:
+                continue
+            packet = getattr(torch.ops.c10d, op_name)
+            overload = packet.default
+            spec = _spec_for(op_name, overload)
+            if spec is None:
+                continue
+            specs[op_name] = spec
+            lib.impl(op_name, _make_kernel(spec), name, with_keyset=True)
+        libs.append(lib)
+        _KEY, _KEY_NAME, _TLS_TOGGLED = key, name, toggled
+        _AFTER = torch._C._dispatch_keyset_full_after(key)
+        _SPECS.update(specs)
+        _LIBS.extend(libs)
+        _installed = True
+
+
+def interception_key() -> str:
+    """The dispatch key the collective kernels are registered at ("" before use)."""
+    return _KEY_NAME
+
+
+# ------------------------------------------------------------- per-thread state
+
+
+class _TLS(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[CollectiveObserver] = []
+        self.bypass = 0
+
+
+_tls = _TLS()
+_graph_task_id = torch._C._current_graph_task_id
+_watch: Callable[[], float | None] | None = None
+
+
+def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple[Any, ...]:
+    i = spec.timeout_idx
+    assert i is not None
+    out = list(args)
+    while len(out) <= i:
+        out.append(spec.defaults[len(out)])
+    out[i] = max(1, int(seconds * 1000))
+    return tuple(out)
+
+
+def set_backward_watch(watch: Callable[[], float | None] | None) -> None:
+    """Run ``watch()`` before every collective issued inside a backward pass (on any
+    thread) until it is reset with None; a number it returns becomes that
+    collective's timeout (seconds). Also make this thread's collectives reach
+    the kernels from now on (the key stays included: the autograd engine hands the
+    thread-local state of the ``backward()`` call to the threads that run it).
+
+    A watch must be cheap when it has nothing to do; it is process-wide because
+    the engine may run backward on its device threads.
+    """
+    global _watch
+    if watch is not None:
+        if not _installed:
+            _install()
+        if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
+            torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+    _watch = watch
+
+
+@contextlib.contextmanager
+def _bypass() -> Iterator[None]:
+    _tls.bypass += 1
+    try:
+        yield
+    finally:
+        _tls.bypass -= 1
+
+
+def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
+    redispatch = spec.overload._handle.redispatch_boxed
+
+    def kernel(keyset: Any, *args: Any) -> Any:
+        tls = _tls
+        if tls.bypass:
+            return redispatch(keyset & _AFTER, *args)
+        watch = _watch
+        if watch is not None and _graph_task_id() != -1:
+            bound = watch()
+            if bound is not None and spec.timeout_idx is not None:
+                args = _with_timeout(spec, args, bound)
+        stack = tls.stack
+        if not stack:
+            return redispatch(keyset & _AFTER, *args)
+        call = CollectiveCall(spec, args, keyset)
+        return _dispatch(stack, len(stack) - 1, call)
+
+    kernel.__name__ = f"remat_dist_observe_{spec.name}"
+    return kernel
+
+
+def _dispatch(stack: list[CollectiveObserver], level: int, call: CollectiveCall) -> Any:
+    if level < 0:
+        return call._issue()
+    observer = stack[level]
+    return observer.on_collective(call, lambda: _dispatch(stack, level - 1, call))
+
+
+class CollectiveObserver(Protocol):
+    """What ``observe_collectives`` accepts.
+
+    ``on_collective(call, issue)`` runs for every collective of the extent, on the
+    thread that issues it, before anything is sent; it returns the op's result,
+    normally ``issue()`` (which issues it, through any outer observer). An optional
+    ``on_extent_error(exc)`` runs when an exception leaves the extent.
+    """
+
+    def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any: ...
+
+
+@contextlib.contextmanager
+def observe_collectives(observer: CollectiveObserver) -> Iterator[CollectiveObserver]:
+    """Route every collective this thread issues inside the block through ``observer``.
+
+    Nested extents chain: the innermost observer sees a call first and its
+    ``issue()`` hands the call to the next one out. Without ``torch.distributed``
+    (or before it is initialised) this only runs the block.
+    """
+    if not _dist_available():
+        yield observer
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        yield observer
+        return
+    if not _installed:
+        _install()
+    stack = _tls.stack
+    stack.append(observer)
+    added = False
+    if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+        added = True
+    try:
+        yield observer
+    except BaseException as exc:
+        handler = getattr(observer, "on_extent_error", None)
+        if handler is not None:
+            handler(exc)
+        raise
+    finally:
+        if added:
+            torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
+        if stack and stack[-1] is observer:
+            stack.pop()
+        else:  # popped out of order: remove this one only
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is observer:
+                    del stack[i]
+                    break
+
+
+# -------------------------------------------------------------------- results
+
+
+def _work_of(result: Any, spec: _OpSpec) -> Any:
+    import torch.distributed as dist
+
+    if spec.n_returns == 2:
+        w = result[1]
+    elif spec.n_returns == 1:
+        w = result
+    else:
+        return None
+    return dist.Work.unbox(w) if isinstance(w, torch.ScriptObject) else w
+
+
+def _completed_result(call: CollectiveCall, written: list[torch.Tensor]) -> Any:
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    spec = call._spec
+    if spec.n_returns == 0:
+        return None
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut.set_result(written)
+    work = _create_work_from_future(fut).boxed()
+    if spec.n_returns == 1:
+        return work
+    return (call._arg(spec.out_idx[0]), work)
+
