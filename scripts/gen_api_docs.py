@@ -46,6 +46,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "DTensorRNGStateHook",
             "default_state_hooks",
             "check_plan_consistency",
+            "mark_step",
             "set_replay_timeout",
             "gather_saved_tensors_report",
             "CrossRankReport",

@@ -17,6 +17,7 @@ costs under ``torch.utils.checkpoint``.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -96,8 +97,9 @@ def checkpoint(
             outputs, replay issues no communication); ``"verify"`` is accepted as
             another name of ``"replay"`` (every replay is verified). Read by
             ``remat_dist.distributed``.
-        verify_plan: check that every rank runs the same regions with the same
-            decisions (``remat_dist.distributed``).
+        verify_plan: deprecated, no effect: with a process group every step's
+            plan is agreed across ranks before its backward's first collective
+            (``remat_dist.distributed``); kept for one release.
     """
     where = region_name if isinstance(region_name, str) else "<unnamed>"
     if fn is not None:
@@ -146,9 +148,17 @@ def checkpoint(
                 "RecomputeStateHook. Fix: give it snapshot() -> state and "
                 "restore(state) methods."
             )
+    if verify_plan:
+        warnings.warn(
+            "remat_dist.checkpoint(verify_plan=True) is deprecated and has no effect: "
+            "every step's plan is agreed across ranks before backward's first "
+            "collective. Drop the option (or call "
+            "remat_dist.check_plan_consistency() to agree earlier).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     options = {
         "collectives": collectives,
-        "verify_plan": bool(verify_plan),
         "determinism_check": determinism_check,
         "saved_tensors_hooks": as_hooks(saved_tensors_hooks, where),
     }
