@@ -28,6 +28,7 @@ import importlib.util
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -391,6 +392,11 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--scale" in argv:
+        from remat_dist.cli.bench_scale import main as scale_main
+
+        return scale_main([a for a in argv if a != "--scale"])
     parser = argparse.ArgumentParser(
         prog="python -m remat_dist bench", description=__doc__.split("\n")[0]
     )
@@ -410,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dist-iters", type=int, default=8)
     parser.add_argument("--json", default=None, help="write results to this path")
+    parser.add_argument(
+        "--scale", action="store_true",
+        help="run the store-round scale simulation instead (bench --scale --help)",
+    )
     args = parser.parse_args(argv)
     cfg = BenchConfig(
         batch=args.batch,

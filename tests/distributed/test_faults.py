@@ -397,3 +397,69 @@ def test_dead_rank_bounded(tmp_path):
     assert float(elapsed) < BOUND_S, outcome
     # gloo reports the dead peer at once, in the backward collective rank 0 is in
     assert any(m in outcome for m in ("Connection", "did not join", "Timed out")), outcome
+
+
+# --- a rank that misses a round, and the wording of each bound
+
+
+@distributed(world_size=2)
+def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
+    remat.set_replay_timeout(1.0)
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        y = remat.checkpoint(region_name="late_blk")(lambda t: t.sin().cos())(x)
+        if ctx.rank == 0:
+            err = _expect(lambda: y.sum().backward(), remat.PlanMismatchError, bound=5.0)
+            assert "ranks [1] of the step group did not reach the plan agreement (backward) within 1 s" in str(err)
+        else:
+            time.sleep(3.0)  # busy elsewhere (past the harness FileStore's coarse
+            # 2 s wait granularity); then it comes, reads the abort, raises
+            err = _expect(remat.check_plan_consistency, remat.PlanMismatchError, bound=1.0)
+            assert "rank 0 gave up waiting first" in str(err)
+    finally:
+        remat.set_replay_timeout(20.0)
+    x = torch.randn(4, 8, requires_grad=True)
+    remat.checkpoint(region_name="after_blk")(lambda t: t.sin().cos())(x).sum().backward()
+
+
+@distributed(world_size=2)
+def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
+    # Rank 1's backward raises in a hook after the replay: rank 0 waits at the
+    # end-of-backward report; rank 1's next step joins the missed report saying
+    # so (or rank 0 gives up after the bound), and both run the steps after that.
+    remat.set_replay_timeout(1.0)
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        if ctx.rank == 1:
+            x.register_hook(lambda g: (_ for _ in ()).throw(ValueError("hook failed")))
+        y = remat.checkpoint(region_name="hook_blk")(lambda t: t.sin().cos())(x)
+        if ctx.rank == 0:
+            err = _expect(lambda: y.sum().backward(), remat.CollectiveReplayError, bound=5.0)
+            text = str(err)
+            assert "rank 1: backward raised before the end of the step" in text or (
+                "did not reach the end of backward" in text
+            ), text
+        else:
+            _expect(lambda: y.sum().backward(), ValueError, "hook failed")
+    finally:
+        remat.set_replay_timeout(20.0)
+    for _ in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        remat.checkpoint(region_name="next_blk")(lambda t: t.sin().cos())(x).sum().backward()
+
+
+@distributed(world_size=2)
+def test_verify_plan_is_deprecated_and_costs_nothing_in_forward(ctx: DistContext):
+    from remat_dist.distributed._step import current_step
+
+    x = torch.randn(4, 8, requires_grad=True)
+    before = current_step().round.seq
+    if ctx.rank == 0:  # a plan check asked for on one rank only: harmless
+        with pytest.warns(DeprecationWarning, match="verify_plan"):
+            run = remat.checkpoint(region_name="vp_blk", verify_plan=True)
+    else:
+        run = remat.checkpoint(region_name="vp_blk")
+    y = run(lambda t: t.sin().cos())(x)
+    assert current_step().round.seq == before  # no store round in forward
+    y.sum().backward()
+    assert current_step().round.seq == before + 2  # the step's agreement and report
