@@ -54,10 +54,18 @@ _FSDP_FILES = ("/distributed/fsdp/_fully_shard/", "\\distributed\\fsdp\\_fully_s
 _is_fsdp_code: dict[Any, bool] = {}
 
 
+_FSDP_DEPTH = 10
+"""FSDP2 issues its collectives a few frames above the kernel (its
+``foreach_all_gather`` / ``foreach_reduce`` call ``torch.distributed`` directly): only
+that many frames are looked at, not the whole stack."""
+
+
 def _issued_by_fsdp() -> bool:
     """Whether FSDP2's code is on the stack of the collective being issued."""
     frame = sys._getframe(2)
-    while frame is not None:
+    for _ in range(_FSDP_DEPTH):
+        if frame is None:
+            return False
         code = frame.f_code
         hit = _is_fsdp_code.get(code)
         if hit is None:
