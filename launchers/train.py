@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import remat_dist as remat
+from remat_dist.distributed import all_gather_objects
 from remat_dist.models import GPT, GPTConfig
 from remat_dist.models.gpt import Block
 from remat_dist.models.text import TEXT_VOCAB_SIZE, load_tiny_corpus, text_batch
@@ -266,8 +267,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
     report = remat.gather_saved_tensors_report(loss)
     loss.backward()
     optim.zero_grad(set_to_none=True)
-    peaks: list[Any] = [None] * world
-    dist.all_gather_object(peaks, peak_memory_bytes(device_type))
+    peaks = all_gather_objects(peak_memory_bytes(device_type))
     if rank == 0:
         print(report.format(), flush=True)
         kind = "CUDA max allocated" if device_type == "cuda" else "process peak RSS"

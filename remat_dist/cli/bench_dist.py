@@ -165,14 +165,15 @@ def _torchrun_main(json_path: str, cfg: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from remat_dist.distributed import all_gather_objects
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         results = {}
         for layout in ("tp", "fsdp"):
             mine = bench_rank(layout, cfg)
-            per_rank: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, mine)
+            per_rank = all_gather_objects(mine)
             for v in VARIANTS:
                 mine[v]["saved_bytes_per_rank"] = [r[v]["saved_bytes"] for r in per_rank]
             results[layout] = mine

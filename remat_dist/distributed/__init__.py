@@ -16,6 +16,7 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
 Without an initialised process group none of it costs anything.
 """
 
+from remat_dist.distributed._objects import all_gather_objects
 from remat_dist.distributed._replay import ledger_of
 from remat_dist.distributed._step import (
     check_plan_consistency,
@@ -49,6 +50,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'remat_dist.distributed' has no attribute {name!r}")
 
 __all__ = [
+    "all_gather_objects",
     "CollectiveReplayError",
     "PlanMismatchError",
     "check_plan_consistency",

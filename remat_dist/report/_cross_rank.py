@@ -1,6 +1,6 @@
 """The cross-rank saved-tensor report: per-rank summaries gathered to one rank.
 
-Each rank builds its :func:`saved_tensors_summary`; one ``gather_object`` brings
+Each rank builds its :func:`saved_tensors_summary`; one ``all_gather_objects`` brings
 them to ``dst``, where :func:`aggregate_summaries` (a pure function, testable
 without processes) turns them into a :class:`CrossRankReport`: per region the
 bytes on every rank with min / median / max, the heaviest rank and the imbalance
@@ -9,13 +9,12 @@ bytes on every rank with min / median / max, the heaviest rank and the imbalance
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from remat_dist.distributed import all_gather_objects
 from remat_dist.report._format import compress_ints, compress_names, format_bytes, table
 
 __all__ = [
@@ -364,34 +363,6 @@ def aggregate_summaries(summaries: Sequence[Mapping[str, Any]]) -> CrossRankRepo
     return CrossRankReport(len(ranks), ranks, tuple(regions), totals)
 
 
-def _object_device_context(group: Any) -> Any:
-    """Make ``gather_object`` work on NCCL, which sends the pickled objects as CUDA
-    tensors on the *current* device: when nothing set it (every rank on cuda:0),
-    use the group's bound device, else ``LOCAL_RANK``, for the duration of the
-    call only."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        backend = str(dist.get_backend(group)).lower()
-    except Exception:
-        return nullcontext()
-    if "nccl" not in backend or not torch.cuda.is_available():
-        return nullcontext()
-    pg = group if group is not None else dist.group.WORLD
-    bound = getattr(pg, "bound_device_id", None)
-    if bound is not None and bound.type == "cuda":
-        return torch.cuda.device(bound)
-    if torch.cuda.current_device() != 0:
-        return nullcontext()  # the user set a device: trust it
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None:
-        index = int(local)
-    else:
-        index = dist.get_rank() % max(torch.cuda.device_count(), 1)
-    return torch.cuda.device(index)
-
-
 def gather_saved_tensors_report(
     *roots: Any, group: Any = None, dst: int = 0
 ) -> CrossRankReport | None:
@@ -400,8 +371,8 @@ def gather_saved_tensors_report(
     A collective: call it on every rank of ``group`` (default: the world) after
     forward, with this rank's roots (its loss). ``dst`` is a global rank. Returns
     the :class:`CrossRankReport` on ``dst`` and None elsewhere. Works on gloo and
-    NCCL (see :func:`_object_device_context`). Without an initialised process
-    group it reports this process alone.
+    NCCL, without numpy (``remat_dist.distributed.all_gather_objects``). Without an
+    initialised process group it reports this process alone.
     """
     import torch.distributed as dist
 
@@ -412,11 +383,7 @@ def gather_saved_tensors_report(
         summary["rank"] = 0
         return aggregate_summaries([summary])
     summary["rank"] = dist.get_rank()
-    me = dist.get_rank()
-    size = dist.get_world_size(group)
-    gathered: list[Any] | None = [None] * size if me == dst else None
-    with _object_device_context(group):
-        dist.gather_object(summary, gathered, dst=dst, group=group)
-    if gathered is None:
+    gathered = all_gather_objects(summary, group)
+    if dist.get_rank() != dst:
         return None
     return aggregate_summaries(gathered)

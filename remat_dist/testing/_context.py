@@ -56,11 +56,9 @@ class DistContext:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, indexed by rank (a collective: call it on all)."""
-        import torch.distributed as dist
+        from remat_dist.distributed import all_gather_objects
 
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather_objects(obj)
 
 
 def dist_context() -> DistContext:

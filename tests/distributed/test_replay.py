@@ -162,3 +162,21 @@ def test_checkpoint_around_an_fsdp2_module_call(ctx: DistContext):
     assert len(states) == CONFIG.n_layers
     assert all(s.fsdp_collectives > 0 and len(s.ledger) == 0 for s in states)
     assert ops == ref_ops  # no extra collective in backward
+
+
+@distributed(world_size=2)
+def test_all_gather_objects_without_numpy(ctx: DistContext):
+    # torch's *_object collectives need numpy; ours must not (the demo runs
+    # before the test extra, numpy included, is installed).
+    import sys
+
+    saved = sys.modules.get("numpy")
+    sys.modules["numpy"] = None  # type: ignore[assignment]  # import numpy fails
+    try:
+        from remat_dist.distributed import all_gather_objects
+
+        got = all_gather_objects({"rank": ctx.rank, "pad": "x" * (10 + 1000 * ctx.rank)})
+    finally:
+        sys.modules["numpy"] = saved  # type: ignore[assignment]
+    assert [g["rank"] for g in got] == [0, 1]
+    assert [len(g["pad"]) for g in got] == [10, 1010]
