@@ -141,6 +141,7 @@ def _ledger_costs(n: int) -> dict[str, float]:
         )
 
     verified = timed(verify)
+    logic = _logic_costs(t)
     rnd = current_step().round
     rounds = []
     req0 = rnd.requests
@@ -153,9 +154,58 @@ def _ledger_costs(n: int) -> dict[str, float]:
         "all_reduce_bare": bare,
         "record_extra": record - bare,
         "verify_extra": verified - bare,
+        "record_logic": logic["record"],
+        "verify_logic": logic["verify"],
         "step_rounds": statistics.median(rounds) * 1e6,
         "store_requests_per_step": (rnd.requests - req0) / 20,
     }
+
+
+def _logic_costs(t: Any, n: int = 20000) -> dict[str, float]:
+    """Microseconds per collective of the record and verify logic alone (a captured
+    call handed to the observers with a no-op issue): the part remat_dist controls,
+    without torch's boxed-kernel round trip and the collective itself."""
+    import timeit
+
+    import torch.distributed as dist
+
+    from remat_dist.distributed._collectives import (
+        CollectiveCall,
+        RecordCollectives,
+        VerifyCollectives,
+        observe_collectives,
+    )
+
+    calls: list[Any] = []
+
+    class _Capture:
+        def on_collective(self, call: Any, issue: Any) -> Any:
+            calls.append(call)
+            return issue()
+
+    with observe_collectives(_Capture()):
+        dist.all_reduce(t)
+    c = calls[0]
+
+    def fresh() -> Any:
+        return CollectiveCall(c._spec, c.args, c._keyset)
+
+    rec = RecordCollectives()
+    rec.on_collective(fresh(), lambda: None)
+    ver = VerifyCollectives(rec.ledger.entries, label="bench")
+
+    def record() -> None:
+        rec.ledger.entries.clear()
+        rec.on_collective(fresh(), lambda: None)
+
+    def verify() -> None:
+        ver.position = 0
+        ver.on_collective(fresh(), lambda: None)
+
+    out = {}
+    for name, fn in (("record", record), ("verify", verify)):
+        out[name] = min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+    return out
 
 
 def _torchrun_main(json_path: str, cfg: dict[str, Any]) -> None:
@@ -236,7 +286,8 @@ def format_dist_table(result: dict[str, Any]) -> str:
     lines.append(
         f"\nledger cost (rank 0, 1-float all_reduce {costs['all_reduce_bare']:.0f} us bare): "
         f"record +{costs['record_extra']:.0f} us, verify +{costs['verify_extra']:.0f} us per "
-        f"collective; step agreement + report {costs['step_rounds']:.0f} us and "
+        f"collective (of which remat_dist's logic: record {costs['record_logic']:.1f} us, "
+        f"verify {costs['verify_logic']:.1f} us); step agreement + report {costs['step_rounds']:.0f} us and "
         f"{costs['store_requests_per_step']:.1f} store requests per rank per step "
         "(any number of checkpoints)"
     )

@@ -29,19 +29,23 @@ Figures per configuration (medians/means over the measured steps):
   itself sends an extra ``wait`` before every ``get``/``multi_get``);
 * ``server_requests_per_step``: their sum over ranks; ``server_requests_per_s``:
   that divided by the wall time;
+* ``server_cpu_share`` (extra): CPU time of the benchmark process, which does
+  nothing but serve the store, over the configuration's wall time (warm-up and
+  thread start included): near 1.0 (one core) the server is the bottleneck;
 * ``estimated``: the row was not run (it would exceed the time budget) but scaled
   linearly in the number of rounds from a measured row (``basis`` says which).
 
 What it does not capture: the network latency between hosts (every request here is
 a loopback round trip of some tens of microseconds, not a datacenter one), a real
-TCPStore server on its own host (here it shares 2 cores with all clients, so the
-wall times are an upper bound set by this machine's CPUs, not by the server), and
-the ranks' own training work overlapping the rounds.
+TCPStore server on its own host (here it shares the machine's few cores with every
+client thread, so wall times at many ranks mostly measure the clients' Python on
+these cores, not the server), and the ranks' own training work around the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -49,16 +53,22 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
+from remat_dist.distributed._step import _plans_differ
+from remat_dist.distributed._store_round import StoreRound
+
 __all__ = ["ScaleConfig", "format_scale_table", "main", "run_scale"]
 
 HOST = "127.0.0.1"
+RESOLVER_NOISE = "hostname of the client socket cannot be retrieved"
 STEP = "step"
 PER_CHECKPOINT = "per-checkpoint"
 ROW_KEYS = (
@@ -184,14 +194,14 @@ def _step_values(job: Job, rank: int) -> tuple[list[str], float]:
 
 def _agreed(verdict: dict[int, str] | None, what: str) -> None:
     if verdict is not None:
-        raise RuntimeError(f"{what}: the ranks' values differed: {sorted(verdict)[:8]}")
+        ranks = sorted(verdict)[:8]
+        raise RuntimeError(f"{what}: the ranks' values differed: {ranks}")
 
 
-def _run_step(rnd: Any, job: Job, values: list[str]) -> None:
-    from remat_dist.distributed._step import _plans_differ
-
+def _run_step(rnd: StoreRound, job: Job, values: list[str]) -> None:
     if job.design == STEP:
-        _agreed(rnd.exchange(values[0], timeout=job.timeout, judge=_plans_differ), "exchange")
+        verdict = rnd.exchange(values[0], timeout=job.timeout, judge=_plans_differ)
+        _agreed(verdict, "exchange")
         _agreed(rnd.report(None, timeout=job.timeout), "report")
         return
     for value in values:
@@ -199,7 +209,7 @@ def _run_step(rnd: Any, job: Job, values: list[str]) -> None:
             _agreed(rnd.exchange(value, timeout=job.timeout), "per-checkpoint round")
 
 
-def _warm_up(rnd: Any, job: Job) -> None:
+def _warm_up(rnd: StoreRound, job: Job) -> None:
     """One round pair, so that the measured rounds delete keys as a long run does."""
     if job.design == STEP:
         values, _ = _step_values(job, rnd.rank)
@@ -212,11 +222,10 @@ def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
     """Run ``job`` as rank ``rank`` on ``store`` (this rank's own client)."""
     import torch.distributed as dist
 
-    from remat_dist.distributed._store_round import StoreRound
-
     out = RankResult(rank)
     try:
-        rnd = StoreRound(dist.PrefixStore(job.prefix, store), tuple(range(job.ranks)), rank)
+        prefixed = dist.PrefixStore(job.prefix, store)
+        rnd = StoreRound(prefixed, tuple(range(job.ranks)), rank)
         steps = [_step_values(job, rank) for _ in range(job.steps)]
         _warm_up(rnd, job)
         for values, hash_s in steps:
@@ -237,10 +246,37 @@ def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
 
 
 def _connect(port: int, ranks: list[int], timeout: float) -> dict[int, Any]:
+    """One client per rank, made in parallel: a connection can stall for seconds
+    where the resolver is slow (c10d looks up the peer's host name for its logs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch.distributed as dist
 
     wait = timedelta(seconds=timeout)
-    return {r: dist.TCPStore(HOST, port, is_master=False, timeout=wait) for r in ranks}
+
+    def client(rank: int) -> Any:
+        return dist.TCPStore(HOST, port, is_master=False, timeout=wait)
+
+    threads = max(1, min(64, len(ranks)))
+    with _stderr_without(RESOLVER_NOISE), ThreadPoolExecutor(threads) as pool:
+        return dict(zip(ranks, pool.map(client, ranks), strict=True))
+
+
+@contextlib.contextmanager
+def _stderr_without(noise: str) -> Iterator[None]:
+    """This process's stderr (C++ logs included) minus the lines holding ``noise``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if noise not in line))
 
 
 def _run_job(job: Job, stores: dict[int, Any]) -> list[RankResult]:
@@ -256,7 +292,8 @@ def _run_job(job: Job, stores: dict[int, Any]) -> list[RankResult]:
     end = job.stop_at + 2 * job.timeout + 5
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    return [results.get(r) or RankResult(r, error="did not finish in time") for r in mine]
+    late = "did not finish in time"
+    return [results.get(r) or RankResult(r, error=late) for r in mine]
 
 
 def _worker(conn: Any, port: int, ranks: list[int], timeout: float) -> None:
@@ -382,7 +419,9 @@ def _row(job: Job, results: list[RankResult]) -> dict[str, Any]:
     }
 
 
-def _estimate(basis: dict[str, Any], checkpoints: int, factor: float) -> dict[str, Any]:
+def _estimate(
+    basis: dict[str, Any], checkpoints: int, factor: float
+) -> dict[str, Any]:
     """A per-checkpoint row not run: ``basis`` scaled by ``factor`` (its ratio of
     rounds per step); the server's request rate is taken as the basis's."""
     row = {
@@ -398,32 +437,36 @@ def _estimate(basis: dict[str, Any], checkpoints: int, factor: float) -> dict[st
         if basis.get(key) is not None:
             row[key] = basis[key] * factor
     row.pop("hash_us_per_rank_step", None)
+    row["server_cpu_share"] = None
     return row
 
 
-def _rounds(design: str, checkpoints: int, steps: int) -> int:
-    """Store rounds of a configuration, warm-up included."""
-    return 2 + (2 * steps if design == STEP else 2 * checkpoints * steps)
+def _rounds_per_step(design: str, checkpoints: int) -> int:
+    return 2 if design == STEP else 2 * checkpoints
 
 
 def _per_round_s(row: dict[str, Any]) -> float:
-    per_step = _rounds(row["design"], row["checkpoints"], 1) - 2
-    return (row["wall_ms_per_step"] or 0.0) / 1e3 / per_step
+    rounds = _rounds_per_step(row["design"], row["checkpoints"])
+    return (row["wall_ms_per_step"] or 0.0) / 1e3 / rounds
 
 
 class _Runner:
     """Runs configurations on the workers within the time budget."""
 
-    def __init__(self, cfg: ScaleConfig, workers: _Workers, progress: Any) -> None:
+    def __init__(
+        self, cfg: ScaleConfig, workers: _Workers, progress: Callable[[str], None]
+    ) -> None:
         self.cfg = cfg
         self.workers = workers
         self.progress = progress
         self.start = time.monotonic()
         self.run_id = uuid.uuid4().hex[:8]
 
-    def measure(self, ranks: int, checkpoints: int, design: str, steps: int) -> dict[str, Any]:
+    def measure(
+        self, ranks: int, checkpoints: int, design: str, steps: int
+    ) -> dict[str, Any]:
         job = Job(
-            prefix=f"remat_dist/bench_scale/{self.run_id}/{ranks}/{checkpoints}/{design}",
+            prefix=f"bench_scale/{self.run_id}/{ranks}/{checkpoints}/{design}",
             ranks=ranks,
             checkpoints=checkpoints,
             design=design,
@@ -431,23 +474,29 @@ class _Runner:
             timeout=self.cfg.timeout,
             stop_at=time.monotonic() + self.cfg.job_limit_s,
         )
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         row = _row(job, self.workers.run(job))
-        self.progress(f"  N={ranks:<5} C={checkpoints:<3} {design:<15} "
-                      f"{time.monotonic() - t0:6.1f} s  errors={row['errors']}")
+        took = time.monotonic() - t0
+        row["server_cpu_share"] = (time.process_time() - cpu0) / took
+        self.progress(
+            f"  N={ranks:<5} C={checkpoints:<3} {design:<15} {took:6.1f} s  "
+            f"server CPU {row['server_cpu_share']:4.0%}  errors={row['errors']}"
+        )
         return row
 
-    def per_checkpoint(self, ranks: int, checkpoints: int, basis: dict[str, Any]) -> dict[str, Any]:
+    def per_checkpoint(
+        self, ranks: int, checkpoints: int, basis: dict[str, Any]
+    ) -> dict[str, Any]:
         """Measured where the prediction from ``basis`` fits the budgets, else
         estimated from it."""
         cfg = self.cfg
-        predicted = _per_round_s(basis) * _rounds(PER_CHECKPOINT, checkpoints, cfg.old_steps)
+        rounds = _rounds_per_step(PER_CHECKPOINT, checkpoints)
+        predicted = _per_round_s(basis) * (2 + rounds * cfg.old_steps)  # + warm-up
         elapsed = time.monotonic() - self.start
         if predicted <= cfg.old_budget_s and elapsed + predicted <= cfg.budget_s:
             return self.measure(ranks, checkpoints, PER_CHECKPOINT, cfg.old_steps)
-        rounds_basis = _rounds(basis["design"], basis["checkpoints"], 1) - 2
-        factor = _rounds(PER_CHECKPOINT, checkpoints, 1) - 2
-        return _estimate(basis, checkpoints, factor / rounds_basis)
+        factor = rounds / _rounds_per_step(basis["design"], basis["checkpoints"])
+        return _estimate(basis, checkpoints, factor)
 
     def ranks_rows(self, ranks: int) -> list[dict[str, Any]]:
         cps = sorted(self.cfg.checkpoints)
@@ -474,6 +523,24 @@ def _raise_fd_limit(ranks: int) -> None:
         pass
 
 
+def _server(timeout: float) -> Any:
+    """The TCPStore server on a free port, listening on an IPv4 socket made here
+    (its default IPv6 one sees 127.0.0.1 as ``::ffff:127.0.0.1``, a name that
+    /etc/hosts does not hold: accepting a client then waits on DNS)."""
+    import socket
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((HOST, 0))
+    listener.listen(4096)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        HOST, port, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout), master_listen_fd=listener.detach(),
+    )
+
+
 def machine() -> dict[str, Any]:
     return {
         "arch": platform.machine(),
@@ -484,7 +551,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def run_scale(cfg: ScaleConfig, progress: Any = None) -> dict[str, Any]:
+def run_scale(
+    cfg: ScaleConfig, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Run every configuration of ``cfg``; the JSON document (rows in order)."""
     import torch
     import torch.distributed as dist
@@ -492,10 +561,7 @@ def run_scale(cfg: ScaleConfig, progress: Any = None) -> dict[str, Any]:
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     most = max(cfg.ranks)
     _raise_fd_limit(most)
-    server = dist.TCPStore(
-        HOST, 0, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=cfg.timeout),
-    )
+    server = _server(cfg.timeout)
     progress(f"scale simulation: TCPStore on {HOST}:{server.port}, "
              f"{most} simulated ranks over {min(cfg.workers, most)} worker processes")
     workers = _Workers(cfg.workers, most, server.port, cfg.timeout)
@@ -519,31 +585,42 @@ def run_scale(cfg: ScaleConfig, progress: Any = None) -> dict[str, Any]:
 # -- output
 
 
-def _num(x: float | None, width: int, digits: int = 1) -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:{width}.{digits}f}"
+_COLUMNS = (
+    # header, row key, width, format
+    ("wall ms/step", "wall_ms_per_step", 12, ".1f"),
+    ("req/rank mean", "requests_per_rank_mean", 13, ".2f"),
+    ("max", "requests_per_rank_max", 5, ".0f"),
+    ("server req/step", "server_requests_per_step", 15, ".0f"),
+    ("server req/s", "server_requests_per_s", 12, ".0f"),
+    ("srv CPU", "server_cpu_share", 7, ".0%"),
+)
+
+
+def _cell(x: float | None, width: int, fmt: str) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{fmt}}"
 
 
 def format_scale_table(rows: list[dict[str, Any]]) -> str:
     """A fixed-width table; estimated rows are marked ``~`` after the design."""
-    head = (
-        f"{'ranks':>5} {'ckpts':>5}  {'design':<16} {'wall ms/step':>12} "
-        f"{'req/rank mean':>13} {'max':>5} {'server req/step':>15} {'server req/s':>12}"
+    head = f"{'ranks':>5} {'ckpts':>5}  {'design':<16}" + "".join(
+        f" {name:>{width}}" for name, _, width, _ in _COLUMNS
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         design = r["design"] + (" ~" if r["estimated"] else "")
-        worst = r["requests_per_rank_max"]
-        lines.append(
-            f"{r['ranks']:>5} {r['checkpoints']:>5}  {design:<16} "
-            f"{_num(r['wall_ms_per_step'], 12)} {_num(r['requests_per_rank_mean'], 13, 2)} "
-            f"{_num(worst, 5, 0)} {_num(r['server_requests_per_step'], 15, 0)} "
-            f"{_num(r.get('server_requests_per_s'), 12, 0)}"
-            + (f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else "")
+        cells = "".join(
+            f" {_cell(r.get(key), width, fmt)}" for _, key, width, fmt in _COLUMNS
         )
-    lines.append(
+        errors = f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else ""
+        first = f"{r['ranks']:>5} {r['checkpoints']:>5}  {design:<16}"
+        lines.append(first + cells + errors)
+    lines += [
         "wall: first rank entering the step's first round to last rank leaving its "
-        "last; ~: estimated (not run), scaled from the row named in the JSON 'basis'"
-    )
+        "last (median over steps)",
+        "srv CPU: the server process's CPU time over the configuration's wall time "
+        "(one core = 100%)",
+        "~: estimated (not run), scaled from the row named in the JSON 'basis'",
+    ]
     return "\n".join(lines)
 
 
@@ -564,12 +641,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the simulation, print its table, write its JSON; 1 if any simulated rank
     saw an error."""
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --scale", description=__doc__.split("\n")[0]
+        prog="python -m remat_dist bench --scale",
+        description="The step agreement's store traffic with up to 1,024 simulated "
+        "ranks against one real TCPStore, and the per-checkpoint design it replaced.",
     )
-    parser.add_argument("--json", default="bench_scale.json", help="write results here")
-    parser.add_argument("--quick", action="store_true", help="fewer steps, tighter budget")
+    parser.add_argument("--json", default="bench_scale.json", help="write it here")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, less budget")
     parser.add_argument("--ranks", type=int, nargs="+", help="simulated ranks to run")
-    parser.add_argument("--checkpoints", type=int, nargs="+", help="checkpoints per step")
+    parser.add_argument("--checkpoints", type=int, nargs="+", help="per step")
     parser.add_argument("--steps", type=int, help="measured steps (per-step design)")
     parser.add_argument("--workers", type=int, help="worker processes")
     parser.add_argument("--timeout", type=float, help="bound of each store round (s)")
