@@ -31,6 +31,7 @@ import enum
 import hashlib
 import json
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -91,6 +92,8 @@ class StepAgreement:
         self.phase = StepPhase.IDLE
         self.steps = 0
         self.failures: list[str] = []
+        # backward may run on the engine's device threads: one transition at a time
+        self._lock = threading.RLock()
         self._reset_plan()
 
     # -- plan
@@ -142,20 +145,22 @@ class StepAgreement:
             return _timeout
         if phase is StepPhase.IDLE:
             return None
-        if phase is StepPhase.ARMED:
-            self.agree("backward")
-        if _graph_task_id() != -1:
-            _queue_callback(self._end_of_backward)
-            self.phase = StepPhase.IN_BACKWARD
+        with self._lock:
+            if self.phase is StepPhase.ARMED:
+                self.agree("backward")
+            if self.phase is StepPhase.AGREED and _graph_task_id() != -1:
+                _queue_callback(self._end_of_backward)
+                self.phase = StepPhase.IN_BACKWARD
         return _timeout
 
     def replay_starts(self) -> None:
         """A replay starts: agree if not yet done in this backward (a backward that
         replays checkpoints of an earlier, already agreed step agrees on nothing)."""
         self._settle_stale()
-        if self.phase is StepPhase.IDLE:
-            self.phase = StepPhase.ARMED
-        self.in_backward()
+        with self._lock:
+            if self.phase is StepPhase.IDLE:
+                self.phase = StepPhase.ARMED
+            self.in_backward()
 
     def agree(self, where: str) -> None:
         """The step's one exchange; raises :class:`PlanMismatchError` everywhere."""
