@@ -14,16 +14,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 import remat_dist as remat
 from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.models.gpt import Block
+from tests.distributed._tp import tp_mlp as _tp_mlp
 from remat_dist.testing import (
     DistContext,
     DistributedTestError,
@@ -171,8 +167,8 @@ def test_2d_fsdp_tp_one_rank_differs(ctx: DistContext):
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_forward_ledger_differs_on_one_rank(ctx: DistContext):
     # Same plan, but rank 0 issues a collective just before the checkpoint that
-    # rank 1 issues inside it: the forward pairs, rank 0's ledger is empty, and
-    # the per-group ledger fingerprints differ.
+    # rank 1 issues inside it: the forward pairs, rank 1's ledger holds one more
+    # collective, and the per-group ledger fingerprints differ.
     mlp = _tp_mlp(ctx.mesh)
     x = torch.randn(4, 8, requires_grad=True)
 
@@ -196,12 +192,6 @@ def test_forward_ledger_differs_on_one_rank(ctx: DistContext):
 
 
 # --- divergence during replay only: absorbed, released, reported at backward's end
-
-
-def _tp_mlp(mesh):
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))

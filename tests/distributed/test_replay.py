@@ -21,6 +21,7 @@ from remat_dist.distributed._collectives import RecordCollectives, observe_colle
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.models.gpt import Block
 from remat_dist.testing import DistContext, distributed
+from tests.distributed._tp import tp_mlp as _tp_mlp
 
 BOUND_S = 30.0  # every rank must raise well within this
 
@@ -101,12 +102,6 @@ def test_2d_fsdp_tp_replay_modes_equal_reference(ctx: DistContext):
             assert ops == ref_ops
         else:
             assert len(ops) == len(ref_ops) + sum(s.replays[-1]["issued"] for s in states)
-
-
-def _tp_mlp(mesh):
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
 def test_no_process_group_records_nothing():
