@@ -12,7 +12,6 @@ The walk reads each node's saved tensors through ``node._raw_saved_<name>`` and
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +19,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from remat_dist.core._checkpoint import RECORDS_METADATA_KEY, _Kept, _UserPacked
+from remat_dist.core._packed import PackedKind, classify_packed, records_of_node
 from remat_dist.core._record import CheckpointRecord
-from remat_dist.core._scope_record import _Handle as ScopeHandle
 
 __all__ = [
     "GraphScan",
@@ -125,7 +123,7 @@ class GraphScan:
     """Reachable checkpoint records, in forward order."""
     outside: list[OutsideSave] = field(default_factory=list)
     region_tensors: list[tuple[torch.Tensor, str]] = field(default_factory=list)
-    """Tensors held by save-region saves (``_Kept`` and user-packed) on the graph,
+    """Tensors held by save-region saves (kept and user-packed) on the graph,
     each with ``NodeType.saved_name`` of the node that saved it."""
     parameter_keys: set[StorageKey] = field(default_factory=set)
     nodes: int = 0
@@ -224,12 +222,7 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
         keep_alive.append(node)
         index = scan.nodes
         scan.nodes += 1
-        metadata = getattr(node, "metadata", None)
-        refs = metadata.get(RECORDS_METADATA_KEY) if metadata else None
-        for ref in refs or ():
-            record = ref() if isinstance(ref, weakref.ref) else ref
-            if record is None:
-                continue
+        for record in records_of_node(node):
             seq = _sequence_nr(node)
             prev = found.get(id(record))
             if prev is None or seq < prev[0]:
@@ -245,18 +238,20 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
                 scan.outside.append(OutsideSave(node_type, index, data, False))
             elif _TorchHolder is not None and isinstance(data, _TorchHolder):
                 scan.recompute_handles += 1
-            elif isinstance(data, ScopeHandle):
-                scan.recompute_handles += 1
-                scan.scopes.setdefault(id(data.record), data.record)
-            elif isinstance(data, _Kept):
-                scan.region_tensors.append((data.tensor, f"{node_type}.{saved_name}"))
-            elif isinstance(data, _UserPacked):
-                label = f"{node_type}.{saved_name}"
-                for t in packed_tensors(data.packed):
-                    scan.region_tensors.append((t, label))
-            else:
+            elif (packed := classify_packed(data)) is None:
                 for t in packed_tensors(data):
                     scan.outside.append(OutsideSave(node_type, index, t, True))
+            else:
+                kind, payload = packed
+                label = f"{node_type}.{saved_name}"
+                if kind is PackedKind.SCOPE_HANDLE:
+                    scan.recompute_handles += 1
+                    scan.scopes.setdefault(id(payload), payload)
+                elif kind is PackedKind.REGION_KEPT:
+                    scan.region_tensors.append((payload, label))
+                else:
+                    for t in packed_tensors(payload):
+                        scan.region_tensors.append((t, label))
         for next_node, _ in getattr(node, "next_functions", ()):
             if next_node is not None and id(next_node) not in seen:
                 stack.append(next_node)

@@ -1,0 +1,318 @@
+"""``region``, ``name_scope``, ``recompute_needs_tensor``: named calls in a checkpoint.
+
+A region call (:class:`_RegionCall`) reads the running checkpoint's phase from
+``frame_var``: on forward it records a :class:`RegionRecord` (and, for a save
+region, runs under the save region's hooks); on replay it checks that the same
+region comes next, then reruns a recompute region or skips a save region, serving
+its outputs from the record or as placeholders. Outside a checkpoint it is a plain
+call. This module never imports :mod:`~remat_dist.core._checkpoint` (which
+re-exports its public names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from remat_dist.core import _record
+from remat_dist.core._placeholder import make_placeholder
+from remat_dist.core._record import CheckpointRecord, RegionRecord
+from remat_dist.core._save_region import (
+    _emit_routed,
+    _persist_consumed,
+    _persist_if_produced,
+    _record_outputs,
+    _RegionInputs,
+    _save_region_hooks,
+)
+from remat_dist.core._state import frame_var, name_prefix_var
+from remat_dist.core._state_hooks import _restore, _snapshot
+from remat_dist.errors import RematError, RematUsageError
+
+__all__ = ["name_scope", "recompute_needs_tensor", "region"]
+
+
+class _RegionCall:
+    """What :func:`region` returns: each call dispatches on the checkpoint phase."""
+
+    __slots__ = ("fn", "name", "recompute", "collectives", "__wrapped__")
+
+    def __init__(
+        self, fn: Callable[..., Any], name: str, recompute: bool, collectives: str | None
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.recompute = recompute
+        self.collectives = collectives
+        self.__wrapped__ = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        record = frame_var.get()
+        if record is None:
+            if _record._observers:
+                return _region_plain(self, args, kwargs)
+            return self.fn(*args, **kwargs)
+        if record.replaying:
+            return _region_replay(record, self, args, kwargs)
+        return _region_forward(record, self, args, kwargs)
+
+
+def region(
+    fn: Callable[..., Any],
+    name: str,
+    *,
+    recompute: bool,
+    collectives: str | None = None,
+) -> Callable[..., Any]:
+    """Mark a call inside a checkpoint: ``region(fn, name, recompute=...)(*args)``.
+
+    ``recompute=False`` (a save region) keeps what the call saves for backward on the
+    original graph and skips the call on replay; its outputs are served to replay
+    from the record where replay needs them. ``recompute=True`` reruns it (the
+    default for any code in a checkpoint; useful for names in traces and to persist
+    save-region outputs the call consumes). Outside a checkpoint: a plain call.
+
+    ``collectives="save"`` keeps the outputs of the collectives this call issues, so
+    that its replay issues no communication (the checkpoint's ``collectives=``
+    option, for this region only; read by ``remat_dist.distributed``).
+    """
+    if not callable(fn):
+        raise RematUsageError(
+            f"remat_dist.region(fn, {name!r}, ...): fn must be callable, got "
+            f"{type(fn).__name__}."
+        )
+    if not isinstance(name, str) or not name:
+        raise RematUsageError(
+            f"remat_dist.region: name must be a non-empty string, got {name!r}. Fix: "
+            "name the call after what it computes, e.g. 'attention'."
+        )
+    if not isinstance(recompute, bool):
+        raise RematUsageError(
+            f"remat_dist.region(fn, {name!r}, recompute=...): recompute must be True "
+            f"or False, got {recompute!r} ({type(recompute).__name__})."
+        )
+    if collectives not in (None, "replay", "save"):
+        raise RematUsageError(
+            f"remat_dist.region(fn, {name!r}, collectives=...): must be None, 'replay' "
+            f"or 'save', got {collectives!r}."
+        )
+    return _RegionCall(fn, name, recompute, collectives)
+
+
+def _region_plain(call: _RegionCall, args: tuple[Any, ...], kwargs: dict) -> Any:
+    """A region outside any checkpoint: a plain call, announced to observers
+    (traces) with ``record=None``."""
+    local = name_prefix_var.get() + call.name
+    rr = RegionRecord(local, local, call.recompute, -1, None, False)
+    _record.notify("on_region_start", None, rr, False)
+    try:
+        return call.fn(*args, **kwargs)
+    finally:
+        _record.notify("on_region_end", None, rr, False)
+
+
+def _qualified(record: CheckpointRecord, name: str) -> tuple[str, str]:
+    """``(checkpoint::prefix/name, prefix/name)`` of a region entered now."""
+    local = name_prefix_var.get() + name
+    return f"{record.name}::{local}", local
+
+
+def _region_forward(
+    record: CheckpointRecord, call: _RegionCall, args: tuple[Any, ...], kwargs: dict
+) -> Any:
+    """A region on the checkpoint's forward: record it, and run a save region under
+    its hooks."""
+    qual, local = _qualified(record, call.name)
+    if qual in record._names:
+        raise RematUsageError(
+            f"remat_dist: region {local!r} was entered twice in one forward of "
+            f"checkpoint {record.name!r}. Fix: give each call its own name, or wrap "
+            "repeated sub-blocks in remat_dist.name_scope('part0'), "
+            "name_scope('part1'), ..."
+        )
+    parent = record._stack[-1] if record._stack else None
+    inside_save = parent is not None and (parent.inside_save or not parent.recompute)
+    if call.recompute and inside_save:
+        raise RematUsageError(
+            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
+            f"{parent.name!r}, whose body is never replayed. Fix: move the recompute "
+            "region out of the save region, or make it recompute=False."
+        )
+    rr = RegionRecord(
+        name=qual,
+        local_name=local,
+        recompute=call.recompute,
+        index=len(record.regions),
+        parent=None if parent is None else parent.index,
+        inside_save=inside_save,
+        collectives=call.collectives,
+    )
+    record.regions.append(rr)
+    record._names.add(qual)
+    if call.recompute and record._producers:
+        _persist_consumed(record, (args, kwargs))
+    if _record._observers:
+        _record.notify("on_region_start", record, rr, False)
+    record._stack.append(rr)
+    try:
+        if rr.is_save:
+            inputs = _RegionInputs(record, args, kwargs)
+            try:
+                with _save_region_hooks(record, rr, inputs):
+                    out = call.fn(*args, **kwargs)
+            finally:
+                # autograd keeps the pack hook as long as the saved tensors:
+                # it must not keep the region's inputs alive
+                inputs.clear()
+        else:
+            out = call.fn(*args, **kwargs)
+    finally:
+        record._stack.pop()
+    items, structure = _flatten_output(rr, out)
+    if rr.is_save:
+        _record_outputs(record, rr, items, structure)
+        rr.state_after = _snapshot(record, f"after save region {rr.name!r}")
+    rr.descendants = len(record.regions) - rr.index - 1
+    if _record._observers:
+        _record.notify("on_region_end", record, rr, False)
+    return out
+
+
+def _flatten_output(rr: RegionRecord, out: Any) -> tuple[list[Any], Any]:
+    """``(tensors or None, structure to rebuild with)`` of what a region returned."""
+    if isinstance(out, torch.Tensor):
+        return [out], torch.Tensor
+    if isinstance(out, (tuple, list)) and all(
+        x is None or isinstance(x, torch.Tensor) for x in out
+    ):
+        return list(out), type(out)
+    raise RematUsageError(
+        f"remat_dist: region {rr.name!r} returned {_describe(out)}; a region must "
+        "return a tensor, or one tuple/list of tensors and None. Fix: return a tuple "
+        "of tensors and build dicts or nested structures outside the region."
+    )
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        bad = next(x for x in out if not (x is None or isinstance(x, torch.Tensor)))
+        return f"a {type(out).__name__} containing a {type(bad).__name__}"
+    return f"a {type(out).__name__}"
+
+
+def _region_replay(
+    record: CheckpointRecord, call: _RegionCall, args: tuple[Any, ...], kwargs: dict
+) -> Any:
+    """A region on replay: check it is the one the forward had next, then rerun a
+    recompute region or skip a save region and serve its outputs."""
+    qual, _ = _qualified(record, call.name)
+    cursor = record._cursor
+    expected = record.regions[cursor] if cursor < len(record.regions) else None
+    if expected is None or expected.name != qual or expected.recompute != call.recompute:
+        what = (
+            "no more regions"
+            if expected is None
+            else f"region {expected.name!r} (recompute={expected.recompute})"
+        )
+        raise RematError(
+            f"remat_dist: the replay of checkpoint {record.name!r} entered region "
+            f"{qual!r} (recompute={call.recompute}) where the forward had {what}. "
+            "The checkpointed function must take the same path on replay. Fix: make "
+            "control flow depend only on the inputs, or branch on "
+            "remat_dist.is_recomputing() only around code that is not a region."
+        )
+    record._cursor += 1
+    rr = expected
+    if _record._observers:
+        _record.notify("on_region_start", record, rr, True)
+    if rr.is_save:
+        record._cursor += rr.descendants
+        if rr.routed:
+            _emit_routed(record, rr, args, kwargs)
+        items = [_serve(record, rr, j) for j in range(len(rr.output_meta))]
+        _restore(record, rr.state_after or (), f"after save region {rr.name!r}")
+        out = _rebuild(rr.output_structure, items)
+    else:
+        record._stack.append(rr)
+        try:
+            out = call.fn(*args, **kwargs)
+        finally:
+            record._stack.pop()
+    if _record._observers:
+        _record.notify("on_region_end", record, rr, True)
+    return out
+
+
+def _serve(record: CheckpointRecord, rr: RegionRecord, j: int) -> torch.Tensor | None:
+    """Output ``j`` of a skipped save region: persisted value, or a placeholder."""
+    meta = rr.output_meta[j]
+    if meta is None:
+        return None
+    kept = rr.persisted.get(j)
+    if kept is None:
+        return make_placeholder(meta, record.name, rr.name, j)
+    t = kept.get()
+    if kept.unpack is None and t._version != kept.version:
+        raise RematError(
+            f"remat_dist: output {j} of save region {rr.name!r} (checkpoint "
+            f"{record.name!r}) was modified in place after it was kept for replay; "
+            "replay would see other values than the forward did. Fix: clone it before "
+            "modifying it (y = out.clone(); y.add_(...))."
+        )
+    t = t.detach()
+    return t.requires_grad_(True) if meta[5] else t
+
+
+def _rebuild(structure: Any, items: list[Any]) -> Any:
+    """Undo :func:`_flatten_output`."""
+    if structure is torch.Tensor:
+        return items[0]
+    if hasattr(structure, "_fields"):
+        return structure(*items)
+    return structure(items)
+
+
+def recompute_needs_tensor(*tensors: torch.Tensor) -> None:
+    """Persist save-region outputs (or views of them) that bare code consumes.
+
+    Replay skips a save region; code after it that reads its output outside any
+    ``region`` needs the real value, not a placeholder. Call this right after the
+    region on forward. Tensors not produced by a save region are left alone (they
+    are recomputed anyway); outside a checkpoint forward this is a no-op.
+    """
+    record = frame_var.get()
+    if record is None or record.replaying or record.forward_done:
+        return
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise RematUsageError(
+                f"remat_dist.recompute_needs_tensor: expected tensors, got "
+                f"{type(t).__name__} (in checkpoint {record.name!r})."
+            )
+        _persist_if_produced(record, t)
+
+
+@contextmanager
+def name_scope(prefix: str) -> Iterator[None]:
+    """Prefix region names inside the block (``prefix/name``).
+
+    Lets one sub-block run several times inside one checkpoint without duplicate
+    region names::
+
+        for i, expert in enumerate(experts):
+            with remat_dist.name_scope(f"expert{i}"):
+                y = remat_dist.region(expert, "ffn", recompute=False)(x)
+    """
+    if not isinstance(prefix, str) or not prefix:
+        raise RematUsageError(
+            f"remat_dist.name_scope: prefix must be a non-empty string, got {prefix!r}."
+        )
+    token = name_prefix_var.set(f"{name_prefix_var.get()}{prefix}/")
+    try:
+        yield
+    finally:
+        name_prefix_var.reset(token)
+

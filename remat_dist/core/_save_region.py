@@ -1,0 +1,248 @@
+"""The save region's side of a checkpoint: its saved-tensor hooks and its outputs.
+
+On forward a save region (``region(fn, name, recompute=False)``) runs under the
+hooks of :func:`_save_region_hooks`: what it saves stays on the original graph
+(:class:`~remat_dist.core._packed._Kept` or user-packed), except views of its own
+inputs that replay recomputes anyway, which are routed to torch's checkpoint hook
+(:class:`_RegionInputs`) and re-emitted when replay skips the region
+(:func:`_emit_routed`). Its outputs are recorded (:func:`_record_outputs`) and
+persisted only where code that replay runs consumes them
+(:func:`_persist_if_produced`); everything else is served as placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from remat_dist.core import _standin
+from remat_dist.core._hooks import innermost_hooks, saved_name
+from remat_dist.core._packed import _Kept, _UserPacked
+from remat_dist.core._record import (
+    CheckpointRecord,
+    PersistedOutput,
+    RegionRecord,
+    SavedEntry,
+    plain,
+    storage_key,
+    storage_nbytes,
+    tensor_meta,
+)
+from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
+from remat_dist.errors import RematError
+
+
+def _entry(
+    t: torch.Tensor, name: str | None, *, packed_by_user_hook: bool = False
+) -> SavedEntry:
+    """Report metadata of a tensor the checkpoint keeps (an input, a region save)."""
+    local = plain(t)
+    storage = local.untyped_storage()
+    return SavedEntry(
+        name=name,
+        shape=tuple(t.shape),
+        dtype=t.dtype,
+        device=local.device,
+        storage=(local.device, storage._cdata),
+        storage_nbytes=storage.nbytes(),
+        nbytes=local.numel() * local.element_size(),
+        is_parameter=isinstance(t, torch.nn.Parameter),
+        packed_by_user_hook=packed_by_user_hook,
+    )
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _checkpoint_hooks_below() -> tuple[Any, Any] | None:
+    """torch's checkpoint pack/unpack hooks, when they are the innermost ones."""
+    hooks = _top_hooks(False)
+    if hooks is None:
+        return None
+    if not (
+        getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+        or _standin.is_tracker(hooks[0])
+    ):
+        return None  # another hook sits in between: keep everything
+    return hooks
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Storage element range ``[first, last]`` that ``t`` covers."""
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.storage_offset(), last
+
+
+class _RegionInputs:
+    """The region's plain-tensor arguments that replay recomputes, by storage."""
+
+    def __init__(self, record: CheckpointRecord, args: tuple[Any, ...], kwargs: dict):
+        self.by_storage: dict[Any, list[tuple[int, torch.Tensor, int]]] = {}
+        for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs))):
+            if type(a) is not torch.Tensor or a.numel() == 0 or not a.is_contiguous():
+                continue
+            key = storage_key(a)
+            if key in record._producers:
+                continue  # a skipped save region's output: replay may not have it
+            self.by_storage.setdefault(key, []).append((i, a, a._version))
+
+    def clear(self) -> None:
+        """Drop the references to the inputs (the pack hook outlives the region)."""
+        self.by_storage.clear()
+
+    def find(self, t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """``(flat index, input)`` of the unchanged input ``t`` lies within."""
+        if type(t) is not torch.Tensor or t.numel() == 0:
+            return None
+        first, last = _extent(t)
+        for i, a, version in self.by_storage.get(storage_key(t), ()):
+            lo, hi = _extent(a)
+            if t._version != version:
+                return None  # changed in place inside the region: replay would not
+            if a.dtype == t.dtype and lo <= first and last <= hi:
+                return i, a
+        return None
+
+
+def _save_region_hooks(
+    record: CheckpointRecord, rr: RegionRecord, inputs: _RegionInputs
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """The hooks a save region runs under on forward: keep each save on the graph
+    (under the user's hooks when there are any), routing recomputable inputs to
+    torch's checkpoint hook."""
+    user = innermost_hooks()
+    below = _checkpoint_hooks_below()
+
+    def pack(t: torch.Tensor) -> Any:
+        if below is not None:
+            hit = inputs.find(t)
+            if hit is not None:
+                # A (view of a) region input that replay recomputes anyway: let
+                # torch's checkpoint recompute it instead of keeping it. On replay
+                # the skipped region emits the same pack (see _emit_routed).
+                i, a = hit
+                rr.routed.append(
+                    (i, tuple(a.shape), a.stride(), tuple(t.shape), t.stride(),
+                     t.storage_offset() - a.storage_offset())
+                )
+                return below[0](t)
+        name = saved_name(t)
+        entry = _entry(t, name)
+        entry.packed_by_user_hook = user is not None
+        rr.saved.append(entry)
+        if user is None:
+            # detach: a tensor that is the op's own output would otherwise hold its
+            # grad_fn, a reference cycle through the saved variable.
+            return _Kept(t.detach(), t._version)
+        info = SavedTensorInfo(SavedTensorKind.BACKWARD, record.name, rr.name, name)
+        return _UserPacked(user, user.pack_with(t, info))
+
+    def unpack(p: Any) -> torch.Tensor:
+        if isinstance(p, _UserPacked):
+            return p.hooks.unpack_with(p.packed)
+        if not isinstance(p, _Kept):
+            return below[1](p)  # routed to torch's checkpoint: recomputed
+        t = p.tensor
+        if t._version != p.version:
+            # autograd skips its own version check for hooked saves; do it here.
+            raise RematError(
+                "one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: [{t.dtype}, {tuple(t.shape)}], "
+                f"saved by save region {rr.name!r} (checkpoint {record.name!r}), is at "
+                f"version {t._version}; expected version {p.version} instead. Fix: "
+                "clone the tensor before modifying it in place."
+            )
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _emit_routed(
+    record: CheckpointRecord, rr: RegionRecord, args: tuple[Any, ...], kwargs: dict
+) -> None:
+    """On replay, where a save region is skipped: hand torch's recompute hook the
+    region inputs that the forward routed to it, in the same order, rebuilt from
+    this replay's (recomputed) arguments."""
+    hooks = _top_hooks(False)
+    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    with torch.no_grad():
+        for i, a_shape, a_stride, shape, stride, rel in rr.routed:
+            a = flat[i] if i < len(flat) else None
+            if (
+                hooks is None
+                or not isinstance(a, torch.Tensor)
+                or tuple(a.shape) != a_shape
+                or a.stride() != a_stride
+            ):
+                raise RematError(
+                    f"remat_dist: the replay of checkpoint {record.name!r} reached save "
+                    f"region {rr.name!r} with other inputs than the forward (input {i}: "
+                    f"expected shape {a_shape} strides {a_stride}). The checkpointed "
+                    "function must compute the same inputs on replay."
+                )
+            hooks[0](a.as_strided(shape, stride, a.storage_offset() + rel))
+
+
+def _record_outputs(
+    record: CheckpointRecord, rr: RegionRecord, items: list[Any], structure: Any
+) -> None:
+    """Note a save region's outputs; persist for free those backward keeps anyway,
+    and index the rest by storage so that later consumers can persist them."""
+    rr.output_structure = structure
+    rr.outputs = items
+    kept = {e.storage for e in rr.saved if not e.packed_by_user_hook}
+    for j, t in enumerate(items):
+        if t is None:
+            rr.output_meta.append(None)
+            rr.output_versions.append(0)
+            continue
+        rr.output_meta.append(tensor_meta(t))
+        rr.output_versions.append(t._version)
+        if t.numel() == 0:
+            rr.persisted[j] = PersistedOutput(t.detach(), None, t._version, 0, True)
+            continue
+        key = storage_key(t)
+        if key in kept:
+            # Backward keeps this storage anyway: persisting it costs nothing.
+            rr.persisted[j] = PersistedOutput(t.detach(), None, t._version, 0, True)
+        else:
+            record._producers.setdefault(key, (rr, j))
+
+
+def _persist_consumed(record: CheckpointRecord, tree: Any) -> None:
+    """Persist every save-region output among the tensors in ``tree``."""
+    for t in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            _persist_if_produced(record, t)
+
+
+def _persist_if_produced(record: CheckpointRecord, t: torch.Tensor) -> None:
+    """Keep ``t`` for replay if a save region produced its storage (once)."""
+    if t.numel() == 0:
+        return
+    hit = record._producers.get(storage_key(t))
+    if hit is None:
+        return
+    rr, j = hit
+    if j in rr.persisted:
+        return
+    out = rr.outputs[j]
+    if out._version != rr.output_versions[j]:
+        raise RematError(
+            f"remat_dist: output {j} of save region {rr.name!r} was modified in place "
+            "after the region returned, and replay needs it. Replay would see other "
+            "values than the forward did. Fix: clone it before modifying "
+            "(y = out.clone(); y.add_(...)) or modify it inside the region."
+        )
+    user = innermost_hooks()
+    nbytes = storage_nbytes(out)
+    if user is None:
+        rr.persisted[j] = PersistedOutput(out.detach(), None, out._version, nbytes, False)
+    else:
+        info = SavedTensorInfo(SavedTensorKind.SAVE_OUTPUT, record.name, rr.name, None)
+        packed = user.pack_with(out.detach(), info)
+        rr.persisted[j] = PersistedOutput(
+            packed, user.unpack_with, out._version, nbytes, False
+        )
+
