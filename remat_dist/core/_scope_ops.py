@@ -1,8 +1,9 @@
 """Per-operator facts and the ambient state a ``gradient_checkpoint_scope`` records.
 
-Leaf helpers for :mod:`remat_dist.core._scope_record`: which arguments an ATen
-operator writes, whether it draws random numbers (and from which generator), and
-the autocast state an operator ran under, read and restored cheaply.
+Leaf helpers for :mod:`remat_dist.core._scope_record` and
+:mod:`remat_dist.core._scope_replay`: which arguments an ATen operator writes,
+whether it draws random numbers (and from which generator), and the autocast state
+an operator ran under, read and restored cheaply.
 """
 
 from __future__ import annotations

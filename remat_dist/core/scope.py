@@ -20,7 +20,7 @@ Differences from RETURNN, each covered by a test:
   them protect their tensors;
 * no saved-tensor hook is left installed once the scope has exited: later uses of
   a scope output push the hook for the one operator that consumes it (see
-  :mod:`remat_dist.core._scope_record`), so ``torch.utils.checkpoint`` and plain
+  :mod:`remat_dist.core._scope_output`), so ``torch.utils.checkpoint`` and plain
   backward in the same thread are unaffected;
 * replayed tensors never outlive the backward pass that recomputed them (also with
   ``retain_graph=True``);
@@ -59,16 +59,10 @@ from torch.utils._python_dispatch import (
 )
 
 from remat_dist.core import _state
-from remat_dist.core._scope_record import (
-    ACTIVE,
-    FLAGS,
-    Active,
-    PackHooks,
-    ScopeOutput,
-    ScopeRecord,
-    is_our_hook,
-    live_scope_records,
-)
+from remat_dist.core._scope_hooks import PackHooks, is_our_hook
+from remat_dist.core._scope_output import ScopeOutput
+from remat_dist.core._scope_record import ScopeRecord, live_scope_records
+from remat_dist.core._scope_tags import ACTIVE, FLAGS, Active
 from remat_dist.errors import RematUsageError
 
 __all__ = [
