@@ -38,9 +38,9 @@ from remat_dist.testing._pool import (
     START_METHOD_ENV,
     PoolStats,
     pool_stats,
-    run_distributed,
     shutdown_pools,
 )
+from remat_dist.testing._run import run_distributed
 from remat_dist.testing._saved import SavedBytesCounter
 
 __all__ = [

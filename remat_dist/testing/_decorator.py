@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from remat_dist.testing._pool import _current_test_name, fn_reference, run_task
+from remat_dist.testing._run import current_test_name, fn_reference, run_task
 
 __all__ = ["distributed"]
 
@@ -99,7 +99,7 @@ def distributed(
                 timeout=timeout,
                 mesh_shape=mesh_shape,
                 mesh_dim_names=mesh_dim_names,
-                test_name=_current_test_name(body),
+                test_name=current_test_name(body),
             )
 
         wrapper.__signature__ = pytest_sig  # type: ignore[attr-defined]
