@@ -3,9 +3,12 @@
 ``import remat_dist as remat`` gives the whole public API (see design/API.md):
 torch_remat's region model (``checkpoint``, ``region``, ``recompute_needs_tensor``,
 ...), RETURNN's ``gradient_checkpoint_scope``, and the rank-aware pieces from
-``remat_dist.distributed`` re-exported here.
+``remat_dist.distributed`` re-exported here. This package is the composition root:
+importing it attaches the distributed layer to the core (the core itself installs
+nothing).
 """
 
+import remat_dist.distributed as _distributed
 from remat_dist.core import (
     RecomputeStateHook,
     SavedTensorInfo,
@@ -63,6 +66,12 @@ from remat_dist.report import (
     saved_tensors_summary,
     trace_scope,
 )
+
+# API.md lists the cross-rank report under remat_dist.distributed too. It is built
+# in remat_dist.report, a layer above; this composition root, which imports both,
+# attaches it there, so no import points upward.
+_distributed.CrossRankReport = CrossRankReport
+_distributed.gather_saved_tensors_report = gather_saved_tensors_report
 
 __version__ = "0.1.0"
 

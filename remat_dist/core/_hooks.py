@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from remat_dist.core._record import storage_key
 from remat_dist.core._state import hooks_var
+from remat_dist.core._storage import storage_key
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
 from remat_dist.errors import RematUsageError
 

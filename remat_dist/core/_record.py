@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from remat_dist.core._storage import TensorMeta
 from remat_dist.core._types import RecomputeStateHook
 
 __all__ = [
@@ -29,57 +30,9 @@ __all__ = [
     "RegionRecord",
     "SavedEntry",
     "live_records",
-    "plain",
     "register_observer",
     "set_default_state_hooks_provider",
 ]
-
-TensorMeta = tuple[torch.Size, tuple[int, ...], int, torch.dtype, torch.device, bool]
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor whose storage holds ``t``'s data.
-
-    Traceable wrapper subclasses (DTensor, ...) have no storage of their own; they
-    name their inner tensors in ``__tensor_flatten__``. The first inner tensor is
-    taken (a DTensor's local shard), recursively.
-    """
-    while type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        flatten = getattr(t, "__tensor_flatten__", None)
-        if flatten is None:
-            return t
-        names, _ = flatten()
-        if not names:
-            return t
-        t = getattr(t, names[0])
-    return t
-
-
-def storage_key(t: torch.Tensor) -> tuple[Any, int]:
-    """Identity of the storage behind ``t`` (views share it).
-
-    The storage object, not its address: FSDP2 frees unsharded parameters after
-    forward (their storage is resized to 0 but stays alive on the graph), and the
-    allocator hands the freed address to later tensors.
-    """
-    t = plain(t)
-    return (t.device, t.untyped_storage()._cdata)
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    return plain(t).untyped_storage().nbytes()
-
-
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
-    return (
-        t.shape,
-        t.stride(),
-        t.storage_offset(),
-        t.dtype,
-        t.device,
-        t.requires_grad,
-    )
-
 
 @dataclass
 class SavedEntry:

@@ -24,11 +24,8 @@ from remat_dist.core._record import (
     PersistedOutput,
     RegionRecord,
     SavedEntry,
-    plain,
-    storage_key,
-    storage_nbytes,
-    tensor_meta,
 )
+from remat_dist.core._storage import plain, storage_key, storage_nbytes, tensor_meta
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
 from remat_dist.errors import RematError
 

@@ -37,18 +37,6 @@ from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
 install_default_provider()
 
-_REPORT_ALIASES = ("CrossRankReport", "gather_saved_tensors_report")
-
-
-def __getattr__(name: str):
-    # API.md lists the cross-rank report under remat_dist.distributed; it lives in
-    # remat_dist.report (a layer above), so it is resolved lazily, not imported.
-    if name in _REPORT_ALIASES:
-        import remat_dist.report
-
-        return getattr(remat_dist.report, name)
-    raise AttributeError(f"module 'remat_dist.distributed' has no attribute {name!r}")
-
 __all__ = [
     "all_gather_objects",
     "CollectiveReplayError",

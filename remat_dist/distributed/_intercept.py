@@ -14,11 +14,11 @@ from typing import Any, Protocol
 import torch
 
 from remat_dist.distributed._optable import (
+    _NOT_COLLECTIVES,
     TensorMeta,
     _flatten,
     _group_info,
     _GroupInfo,
-    _NOT_COLLECTIVES,
     _OpSpec,
     _param_value,
     _spec_for,

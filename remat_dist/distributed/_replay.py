@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat_dist.core._record import CheckpointRecord, RegionRecord, register_observer
+from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
 from remat_dist.distributed._intercept import CollectiveCall, observe_collectives
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger

@@ -406,9 +406,9 @@ def check_plan_consistency(group: Any = None) -> None:
     meets the others at its backward's start. ``group`` is accepted for
     compatibility: the step group is the world. A no-op without a process group.
     """
-    from remat_dist.core._state import frame_var
+    from remat_dist.core import current_frame
 
-    if frame_var.get() is not None:
+    if current_frame() is not None:
         raise PlanMismatchError(
             "remat_dist.check_plan_consistency() was called inside a checkpoint; "
             "call it between steps (or after the forward), on every rank."

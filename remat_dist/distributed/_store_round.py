@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 __all__ = ["RoundTimeout", "StoreRound"]

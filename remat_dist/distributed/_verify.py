@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-from remat_dist.distributed._intercept import CollectiveCall, _completed_result, _work_of
+from remat_dist.distributed._intercept import (
+    CollectiveCall,
+    _completed_result,
+    _work_of,
+)
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.errors import CollectiveReplayError
 

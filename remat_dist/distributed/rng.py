@@ -34,8 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from remat_dist.core._record import set_default_state_hooks_provider
-from remat_dist.core._types import RecomputeStateHook
+from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
 
 __all__ = [
     "PHILOX_SNAPSHOT_NBYTES",

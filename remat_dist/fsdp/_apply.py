@@ -66,8 +66,12 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from remat_dist.core import checkpoint, recompute_needs_tensor, region
-from remat_dist.core._types import RecomputeStateHook
+from remat_dist.core import (
+    RecomputeStateHook,
+    checkpoint,
+    recompute_needs_tensor,
+    region,
+)
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside

@@ -107,11 +107,15 @@ def reference_tp_plan(sequence_parallel: bool = False) -> TensorParallelPlan:
     )
 
     if not sequence_parallel:
-        from remat_dist.models import block_tp_plan
-
-        return TensorParallelPlan(
-            block=block_tp_plan(), block_input=REPLICATE, block_output=REPLICATE
-        )
+        block = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(),
+        }
+        return TensorParallelPlan(block=block, block_input=REPLICATE, block_output=REPLICATE)
 
     def gather_sequence() -> Any:
         return PrepareModuleInput(

@@ -258,14 +258,8 @@ def block_tp_plan() -> dict[str, Any]:
     """Tensor-parallel plan for one :class:`Block`, for
     ``parallelize_module(block, tp_mesh, block_tp_plan())``: column-wise
     ``attention.wq/wk/wv`` and ``mlp.w1``, row-wise ``attention.wo`` and
-    ``mlp.w2``. Needs ``n_heads`` divisible by the TP degree."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    ``mlp.w2`` (``remat_dist.fsdp.reference_tp_plan().block``, which ``shard_model``
+    applies). Needs ``n_heads`` divisible by the TP degree."""
+    from remat_dist.fsdp import reference_tp_plan
 
-    return {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(),
-    }
+    return dict(reference_tp_plan().block)

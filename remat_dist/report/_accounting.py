@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from remat_dist.core._record import CheckpointRecord, RegionRecord, SavedEntry
+from remat_dist.core import CheckpointRecord, RegionRecord, SavedEntry
 from remat_dist.report._format import format_bytes, plural, table
 from remat_dist.report._graph import (
     StorageKey,

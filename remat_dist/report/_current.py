@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import IO
 
-from remat_dist.core._state import frame_var
+from remat_dist.core import current_frame
 from remat_dist.report._accounting import (
     Annotate,
     Ledger,
@@ -43,7 +43,7 @@ def format_current_memory_report(
             for rows whose tensor the report can reach.
         inputs: also list the checkpoint's inputs (they are kept too).
     """
-    record = frame_var.get()
+    record = current_frame()
     if record is None:
         return (
             "no checkpoint is running (format_current_memory_report reports the "

@@ -19,8 +19,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from remat_dist.core._packed import PackedKind, classify_packed, records_of_node
-from remat_dist.core._record import CheckpointRecord
+from remat_dist.core import (
+    CheckpointRecord,
+    PackedKind,
+    classify_packed,
+    records_of_node,
+)
 
 __all__ = [
     "GraphScan",

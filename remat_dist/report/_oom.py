@@ -39,7 +39,7 @@ def format_oom_saved_tensors_report(
     annotate: Annotate | None = None,
 ) -> str:
     """The text :func:`oom_observer` prints: the failed request, then the reports."""
-    from remat_dist.core._state import frame_var
+    from remat_dist.core import current_frame
     from remat_dist.report._current import format_current_memory_report
     from remat_dist.report._roots import discover_autograd_roots
     from remat_dist.report._saved import format_saved_tensors_report
@@ -59,7 +59,7 @@ def format_oom_saved_tensors_report(
         lines.append(format_saved_tensors_report(*found, annotate=annotate))
     else:
         lines.append("no live autograd graph found")
-    if frame_var.get() is not None:
+    if current_frame() is not None:
         lines += ["", "checkpoint running when the allocation failed:"]
         lines.append(format_current_memory_report(annotate=annotate))
     return "\n".join(lines)

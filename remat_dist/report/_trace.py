@@ -28,8 +28,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from remat_dist.core._record import CheckpointRecord, RegionRecord, register_observer
-from remat_dist.core._state import is_recomputing
+from remat_dist.core import (
+    CheckpointRecord,
+    RegionRecord,
+    is_recomputing,
+    register_observer,
+)
 
 __all__ = ["Trace", "TraceNode", "collect_trace", "trace_scope"]
 

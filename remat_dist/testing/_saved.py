@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from remat_dist.core._hooks import saved_tensors_hooks
-from remat_dist.core._record import plain
+from remat_dist.core import plain, saved_tensors_hooks
 
 __all__ = ["SavedBytesCounter"]
 

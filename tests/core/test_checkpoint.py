@@ -12,8 +12,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
-from remat_dist.core import live_records
-from remat_dist.core._types import SavedTensorKind
+from remat_dist.core import SavedTensorKind, live_records
 from remat_dist.testing import SavedBytesCounter
 
 

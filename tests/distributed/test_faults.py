@@ -19,7 +19,6 @@ import remat_dist as remat
 from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.models.gpt import Block
-from tests.distributed._tp import tp_mlp as _tp_mlp
 from remat_dist.testing import (
     DistContext,
     DistributedTestError,
@@ -27,6 +26,7 @@ from remat_dist.testing import (
     distributed,
     run_distributed,
 )
+from tests.distributed._tp import tp_mlp as _tp_mlp
 
 BOUND_S = 30.0
 """Every rank raises within this (the issue's bound)."""

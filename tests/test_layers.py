@@ -1,0 +1,107 @@
+"""The layer picture holds: imports point down, and core's privates stay in core.
+
+core <- distributed <- report <- fsdp <- cli / launchers; testing and models sit at
+the side (they may use any library layer; no library layer imports them). The
+package root ``remat_dist/__init__.py`` is the composition root that imports all.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "remat_dist"
+
+# What each library layer may import from remat_dist (besides itself and errors).
+ALLOWED = {
+    "core": set(),
+    "distributed": {"core"},
+    "report": {"core", "distributed"},
+    "fsdp": {"core", "distributed", "report"},
+    "cli": {"core", "distributed", "report", "fsdp", "testing", "models", "(root)"},
+    "testing": {"core", "distributed", "report", "fsdp", "models"},
+    "models": {"core", "distributed", "report", "fsdp"},
+}
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+            out.extend(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+    return [m for m in out if m == "remat_dist" or m.startswith("remat_dist.")]
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(root)"
+
+
+def test_imports_point_down():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if len(rel.parts) == 1:
+            continue  # the composition root and errors.py
+        layer = rel.parts[0]
+        for module in _imports(path):
+            target = _layer(module)
+            if target in (layer, "errors") or module.startswith("remat_dist.errors"):
+                continue
+            if target not in ALLOWED[layer]:
+                wrong.append(f"{rel}: {layer} -> {module}")
+    assert not wrong, "imports pointing the wrong way:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_core_privates_stay_in_core():
+    private = {f"remat_dist.core.{p.stem}" for p in (PACKAGE / "core").glob("_*.py")}
+    private.discard("remat_dist.core.__init__")
+    leaks = []
+    for base in (PACKAGE, ROOT / "launchers", ROOT / "scripts"):
+        for path in base.rglob("*.py"):
+            if (PACKAGE / "core") in path.parents:
+                continue
+            for module in _imports(path):
+                if any(module == p or module.startswith(p + ".") for p in private):
+                    leaks.append(f"{path.relative_to(ROOT)}: {module}")
+    assert not leaks, "use remat_dist.core's front door:\n" + "\n".join(sorted(set(leaks)))
+    # and the lint rule names every one of them, so ruff catches the next one
+    toml = (ROOT / "pyproject.toml").read_text()
+    missing = sorted(p for p in private if f'"{p}".msg' not in toml)
+    assert not missing, f"add to [tool.ruff.lint.flake8-tidy-imports.banned-api]: {missing}"
+
+
+def test_the_lint_rule_passes():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.fail("ruff is not installed: it comes with the test extra (pip install -e '.[test]')")
+    proc = subprocess.run(
+        [ruff, "check", "--select", "TID251", "remat_dist", "launchers", "scripts"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_importing_core_modules_installs_nothing():
+    # core's modules register no observer and no provider by themselves: the
+    # composition root (remat_dist/__init__.py) attaches the distributed layer.
+    code = (
+        "import sys, importlib\n"
+        "import remat_dist.core._record as r\n"
+        "assert 'remat_dist.distributed' in sys.modules  # the root imported it\n"
+        "names = [o.__class__.__module__ for o in r._observers]\n"
+        "assert all(not n.startswith('remat_dist.core') for n in names), names\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
