@@ -556,7 +556,6 @@ def run_scale(
 ) -> dict[str, Any]:
     """Run every configuration of ``cfg``; the JSON document (rows in order)."""
     import torch
-    import torch.distributed as dist
 
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     most = max(cfg.ranks)

@@ -350,11 +350,11 @@ def _stall_body(seconds):
 
 def test_stalled_rank_bounded():
     results = run_distributed(_stall_body, 2.0, world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
-    for elapsed, kind, text in results:
+    for elapsed, _kind, text in results:
         assert elapsed < 4 * 2.0 + 2.0, (elapsed, text)
     # rank 0 waits in a backward collective (bounded while a remat step runs),
     # rank 1 in the first collective after its stall; neither waits 30 minutes
-    for elapsed, kind, text in results:
+    for _elapsed, _kind, text in results:
         assert any(m in text for m in ("Timed out", "did not join", "Connection closed")), text
     assert "Timed out" in results[0][2], results[0]
 

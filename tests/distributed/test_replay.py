@@ -3,16 +3,8 @@ comm-free replay, plan consistency; divergence raises on every rank, never hangs
 
 from __future__ import annotations
 
-import time
-
-import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 import remat_dist as remat
 from remat_dist.core import live_records
