@@ -59,6 +59,7 @@ a callable ``(qualified_name, module) -> "full" | "none" | dict``
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -329,8 +330,10 @@ def apply_remat(
     *,
     blocks: BlockSelector,
     policy: RematPolicy = "full",
-    state_hooks: Sequence[RecomputeStateHook] | None = None,
+    recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     collectives: str = "replay",
+    determinism_check: str = "none",
+    state_hooks: Sequence[RecomputeStateHook] | None = None,
 ) -> nn.Module:
     """Checkpoint each matching block of ``model`` in place; returns ``model``.
 
@@ -341,12 +344,14 @@ def apply_remat(
             or fully qualified names (see ``remat_dist.fsdp._blocks``).
         policy: what each checkpoint keeps (see the module docstring): ``"full"``,
             ``{"attention": "save"}``, ``{"every": k}`` / ``k``, or a callable.
-        state_hooks: ``recompute_state_hooks`` of every checkpoint (None: the
-            checkpoint's default set, which is this rank's RNG when a process group
-            exists and ``remat_dist.distributed`` is installed). Dropout needs the
-            generators it draws from here, e.g. ``(CPURNGStateHook(),)`` on CPU.
+        recompute_state_hooks: ``recompute_state_hooks`` of every checkpoint
+            (None: the checkpoint's default set, this rank's RNG with a process
+            group, the CPU generator in one process; ``()``: none).
         collectives: the checkpoints' ``collectives`` mode (``"replay"``,
-            ``"save"``, ``"verify"``).
+            ``"save"``).
+        determinism_check: the checkpoints' ``determinism_check``.
+        state_hooks: deprecated name of ``recompute_state_hooks`` (one name per
+            concept across the API); warns, and goes in the next release.
 
     The block's qualified name is its checkpoint's ``region_name``. Module types,
     parameter names and ``state_dict`` keys are unchanged; :func:`remove_remat`
@@ -359,7 +364,20 @@ def apply_remat(
             f"remat_dist.apply_remat: model must be an nn.Module, got "
             f"{type(model).__name__}."
         )
-    hooks = None if state_hooks is None else tuple(state_hooks)
+    if state_hooks is not None:
+        if recompute_state_hooks is not None:
+            raise RematUsageError(
+                "remat_dist.apply_remat: pass recompute_state_hooks only (state_hooks "
+                "is its deprecated name)."
+            )
+        warnings.warn(
+            "remat_dist.apply_remat(state_hooks=...) is deprecated: pass "
+            "recompute_state_hooks=... (the name checkpoint uses).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        recompute_state_hooks = state_hooks
+    hooks = None if recompute_state_hooks is None else tuple(recompute_state_hooks)
     selected = select_blocks(model, blocks, caller="apply_remat")
     all_named = list(model.named_modules())
     already = [n for n, m in all_named if BLOCK_ATTR in m.__dict__]
@@ -440,7 +458,10 @@ def apply_remat(
     built = []
     for name, module, regions in plans:
         run = checkpoint(
-            region_name=name, recompute_state_hooks=hooks, collectives=collectives
+            region_name=name,
+            recompute_state_hooks=hooks,
+            collectives=collectives,
+            determinism_check=determinism_check,
         )(_call_block)
         built.append((name, module, regions, run))
     for name, module, regions, run in built:

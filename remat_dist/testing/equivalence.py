@@ -20,7 +20,7 @@ rank compares its own shards::
             policy={"attention": "save"},
             steps=3,
             loss_fn=lambda model, batch: model.loss(*batch),
-            state_hooks=(CPURNGStateHook(),),  # the model uses dropout on CPU
+            recompute_state_hooks=(CPURNGStateHook(),),  # dropout on CPU
         )
 
 The pieces (:func:`train_steps`, :func:`compare_results`) are public too, for tests
@@ -298,7 +298,7 @@ def assert_remat_equivalent(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     atol: float = 0.0,
     rtol: float = 0.0,
-    state_hooks: Sequence[Any] | None = None,
+    recompute_state_hooks: Sequence[Any] | None = None,
     collectives: str = "replay",
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     | None = None,
@@ -313,9 +313,9 @@ def assert_remat_equivalent(
         build_model: makes a fresh model; called twice, each time right after
             ``torch.manual_seed(seed)``.
         inputs: the batch for every step, or a callable ``step -> batch``.
-        blocks, policy, state_hooks, collectives: passed to
+        blocks, policy, recompute_state_hooks, collectives: passed to
             :func:`remat_dist.fsdp.apply_remat`. Dropout needs the generators it
-            draws from in ``state_hooks`` (or the distributed default set).
+            draws from in ``recompute_state_hooks`` (or the default set).
         steps: optimizer steps to train.
         loss_fn: ``(model, batch) -> scalar loss`` (default: the sum of the
             outputs).
@@ -344,7 +344,7 @@ def assert_remat_equivalent(
                     m,
                     blocks=blocks,
                     policy=policy,
-                    state_hooks=state_hooks,
+                    recompute_state_hooks=recompute_state_hooks,
                     collectives=collectives,
                 )
 
@@ -399,7 +399,7 @@ def assert_remat_equivalent(
             f"remat changed training ({tol}, policy={policy!r}, {steps} step(s), "
             f"checkpointed {checkpointed}): max grad diff {gmax:.3e}, max param "
             f"diff {pmax:.3e}\n{shown}{more}\nIf the model uses dropout, pass the "
-            "generators it draws from as state_hooks (e.g. "
+            "generators it draws from as recompute_state_hooks (e.g. "
             "remat_dist.distributed.default_state_hooks(cpu=True))."
         )
     return report

@@ -1,4 +1,4 @@
-"""The CPU generator hook the fsdp tests pass as ``state_hooks`` (dropout on CPU)."""
+"""The CPU generator hook the fsdp tests pass as ``recompute_state_hooks`` (dropout on CPU)."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def test_equivalent_with_dropout(policy):
         policy=policy,
         steps=3,
         loss_fn=gpt_loss,
-        state_hooks=cpu_hooks(),
+        recompute_state_hooks=cpu_hooks(),
         make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
     expected = ["layers.0"] if policy == 2 else ["layers.0", "layers.1"]
@@ -60,7 +60,7 @@ def test_helper_catches_unrestored_rng():
     # No state hooks: replay draws other dropout masks, so gradients differ.
     with pytest.raises(AssertionError, match="remat changed training"):
         assert_remat_equivalent(
-            lambda: GPT(CFG), BATCH, blocks=Block, loss_fn=gpt_loss, state_hooks=()
+            lambda: GPT(CFG), BATCH, blocks=Block, loss_fn=gpt_loss, recompute_state_hooks=()
         )
 
 
@@ -74,7 +74,7 @@ def test_recomputes_what_the_policy_says():
         torch.manual_seed(0)
         model = GPT(CFG)
         if policy is not None:
-            apply_remat(model, blocks=Block, policy=policy, state_hooks=cpu_hooks())
+            apply_remat(model, blocks=Block, policy=policy, recompute_state_hooks=cpu_hooks())
         counts = count_calls(model)
         model.loss(*BATCH).backward()
         calls[name] = dict(counts)
@@ -171,7 +171,7 @@ def test_misuse_is_refused():
 def test_deepcopy_rebinds_to_the_copy():
     model = GPT(CFG)
     apply_remat(
-        model, blocks=Block, policy={"attention": "save"}, state_hooks=cpu_hooks()
+        model, blocks=Block, policy={"attention": "save"}, recompute_state_hooks=cpu_hooks()
     )
     clone = copy.deepcopy(model)
     assert clone.layers[0].forward.__self__ is clone.layers[0]
@@ -181,3 +181,12 @@ def test_deepcopy_rebinds_to_the_copy():
     clone.loss(*BATCH).backward()
     assert all(p.grad is not None for p in clone.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_state_hooks_is_a_deprecated_alias():
+    model = GPT(CFG)
+    with pytest.warns(DeprecationWarning, match="recompute_state_hooks"):
+        apply_remat(model, blocks=Block, state_hooks=())
+    assert all(spec.state_hooks == () for spec in remat_plan(model).values())
+    with pytest.raises(RematUsageError, match="recompute_state_hooks only"):
+        apply_remat(GPT(CFG), blocks=Block, state_hooks=(), recompute_state_hooks=())

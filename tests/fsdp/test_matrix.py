@@ -164,7 +164,7 @@ def train(
 
     def remat() -> None:
         if policy is not None:
-            apply_remat(model, blocks=Block, policy=policy, state_hooks=cpu_hooks())
+            apply_remat(model, blocks=Block, policy=policy, recompute_state_hooks=cpu_hooks())
 
     if remat_first:
         remat()

@@ -146,7 +146,7 @@ def fsdp_body() -> None:
         blocks=Block,
         tp_plan={"attention.wq": ColwiseParallel()},
     )
-    apply_remat(model, blocks=Block, state_hooks=cpu_hooks())
+    apply_remat(model, blocks=Block, recompute_state_hooks=cpu_hooks())
     _raises(
         "block 'layers.0' is already checkpointed", apply_remat, model, blocks=Block
     )
@@ -158,7 +158,7 @@ def fsdp_body() -> None:
         policy={"attention": "save"},
         steps=3,
         loss_fn=lambda m, b: m.loss(*b),
-        state_hooks=cpu_hooks(),
+        recompute_state_hooks=cpu_hooks(),
         shard=lambda m: shard_model(m, mesh, blocks=Block, reshard_after_forward=False),
         remat_first=False,
     )
