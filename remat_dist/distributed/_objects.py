@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from remat_dist.distributed.rng import rank_device
+from remat_dist.distributed._rank_device import rank_device
 
 __all__ = ["all_gather_objects"]
 

@@ -12,9 +12,10 @@ on replay as on forward, on each rank, whatever that rank's generator holds:
 * :class:`GeneratorStateHook`: any other ``torch.Generator`` (Megatron-style named
   streams: one hook per generator).
 * :class:`DTensorRNGStateHook`: what DTensor's random ops draw from.
-* :func:`default_state_hooks`: the set for a normal FSDP2 / TP model, and
-  :func:`install_default_provider`, which makes it the checkpoint default once a
-  process group exists.
+
+Which device a hook resolves to is ``remat_dist.distributed._rank_device``'s
+:func:`rank_device`; which hooks a checkpoint gets by default is
+``remat_dist.distributed._rng_default``'s ``default_state_hooks``.
 
 What one snapshot costs (payload bytes; :meth:`GeneratorStateHook.nbytes` reports
 it): a Philox generator (CUDA; any accelerator where seed plus offset is checked to
@@ -25,7 +26,6 @@ their backend defines it.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 import weakref
@@ -34,7 +34,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
+from remat_dist.distributed._rank_device import (
+    accelerator_type,
+    current_index,
+    rank_device,
+)
 
 __all__ = [
     "PHILOX_SNAPSHOT_NBYTES",
@@ -44,10 +48,8 @@ __all__ = [
     "DeviceRNGStateHook",
     "GeneratorStateHook",
     "PhiloxState",
-    "default_state_hooks",
-    "install_default_provider",
-    "rank_device",
 ]
+
 
 PHILOX_SNAPSHOT_NBYTES = 16
 """Payload of a Philox snapshot: a 64-bit seed and a 64-bit offset."""
@@ -170,63 +172,6 @@ class CPURNGStateHook(GeneratorStateHook):
     def __repr__(self) -> str:
         return "CPURNGStateHook()"
 
-
-def _accelerator_type() -> str | None:
-    if not torch.accelerator.is_available():
-        return None
-    acc = torch.accelerator.current_accelerator()
-    return None if acc is None else acc.type
-
-
-def _local_rank() -> int | None:
-    raw = os.environ.get("LOCAL_RANK")
-    try:
-        return None if raw is None else int(raw)
-    except ValueError:
-        return None
-
-
-def rank_device(device: torch.device | str | int | None = None) -> torch.device:
-    """The device whose generator this rank's random ops use, with an index.
-
-    ``None`` picks this rank's current device: the CPU when no accelerator is
-    available; else the accelerator module's ``current_device()`` when a process set
-    one (not 0), else ``LOCAL_RANK`` when it names a visible device (torchrun's one
-    process per device, when the script builds tensors on ``cuda:LOCAL_RANK``
-    without ``set_device``), else the current device. So a rank never lands on
-    device 0 by accident. An int means that index of the current accelerator; a
-    type without an index (``"cuda"``) takes the current index.
-    """
-    if isinstance(device, int):
-        acc = _accelerator_type()
-        if acc is None:
-            raise ValueError(
-                f"rank_device({device}): an index needs an accelerator, and none is "
-                "available. Pass 'cpu' or None."
-            )
-        return torch.device(acc, device)
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cpu" or dev.index is not None:
-            return dev
-        return torch.device(dev.type, _current_index(dev.type))
-    acc = _accelerator_type()
-    if acc is None:
-        return torch.device("cpu")
-    module = torch.get_device_module(acc)
-    current = _current_index(acc)
-    local = _local_rank()
-    count_fn = getattr(module, "device_count", None)
-    count = count_fn() if callable(count_fn) else 1
-    if current == 0 and local is not None and 0 <= local < count:
-        return torch.device(acc, local)
-    return torch.device(acc, current)
-
-
-def _current_index(device_type: str) -> int:
-    module = torch.get_device_module(device_type)
-    current = getattr(module, "current_device", None)
-    return int(current()) if callable(current) else 0
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -367,11 +312,11 @@ class DTensorRNGStateHook:
         self._hooks: dict[torch.device, DeviceRNGStateHook] = {}
 
     def _devices(self, tracker: Any) -> list[torch.device]:
-        acc = self.device_type or _accelerator_type() or "cpu"
+        acc = self.device_type or accelerator_type() or "cpu"
         if acc == "cpu":
             devices = [torch.device("cpu")]
         else:
-            devices = [torch.device(acc, _current_index(acc))]
+            devices = [torch.device(acc, current_index(acc))]
             tracker_dev = getattr(tracker, "_device", None)
             if isinstance(tracker_dev, torch.device) and tracker_dev.type != "cpu":
                 devices.append(rank_device(tracker_dev))
@@ -433,89 +378,9 @@ def _would_be_tracker_device(acc: str) -> torch.device:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return torch.device(acc, _current_index(acc))
+        return torch.device(acc, current_index(acc))
     module = torch.get_device_module(acc)
     count_fn = getattr(module, "device_count", None)
     count = max(1, count_fn() if callable(count_fn) else 1)
     return torch.device(acc, dist.get_rank() % count)
 
-
-def default_state_hooks(
-    device: torch.device | str | int | None = None, *, cpu: bool = False
-) -> tuple[RecomputeStateHook, ...]:
-    """The hook set that makes a normal FSDP2 / TP model replay exactly on this rank.
-
-    ``(DeviceRNGStateHook(device), DTensorRNGStateHook(...))`` on an accelerator run
-    (the DTensor hook skips the device hook's generator, so it costs nothing more
-    unless DTensor uses another device's generator), plus :class:`CPURNGStateHook`
-    with ``cpu=True``. On a CPU-only run the device hook *is* the CPU generator and
-    DTensor keeps nothing else, so the set is that one hook (5056 bytes a
-    snapshot), ``cpu=True`` or not. Generators the model passes explicitly
-    (``generator=``) need their own :class:`GeneratorStateHook`.
-    """
-    dev_hook = DeviceRNGStateHook(device)
-    hooks: list[RecomputeStateHook] = [dev_hook]
-    if dev_hook.device.type != "cpu":
-        if torch.distributed.is_available():
-            hooks.append(DTensorRNGStateHook(exclude_devices=(dev_hook.device,)))
-        if cpu:
-            hooks.append(CPURNGStateHook())
-    return tuple(hooks)
-
-
-_provider_cache: dict[torch.device, tuple[RecomputeStateHook, ...]] = {}
-
-
-def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return _single_process_hooks()
-    # A group whose only backend is gloo is a CPU run, also on a machine with an
-    # accelerator (the test harness, CPU launches). The hooks hold no per-call
-    # state: reuse one set per device (resolved per call, so a set_device after
-    # install is honoured).
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else rank_device()
-    hooks = _provider_cache.get(device)
-    if hooks is None:
-        hooks = _provider_cache[device] = default_state_hooks(device)
-    return hooks
-
-
-_single: dict[str, tuple[RecomputeStateHook, ...]] = {}
-
-
-def _single_process_hooks() -> tuple[RecomputeStateHook, ...]:
-    """One process: the CPU generator, plus the current accelerator's generator once
-    that accelerator is initialised (never initialising it), as
-    ``torch.utils.checkpoint``'s ``preserve_rng_state`` covers both. Dropout then
-    replays exactly by default, never silently differently."""
-    acc = _accelerator_type()
-    initialized = False
-    if acc is not None:
-        module = torch.get_device_module(acc)
-        is_init = getattr(module, "is_initialized", None)
-        initialized = bool(is_init()) if callable(is_init) else False
-    key = acc if initialized else "cpu"
-    hooks = _single.get(key)
-    if hooks is None:
-        hooks = (CPURNGStateHook(),)
-        if initialized:
-            hooks += (DeviceRNGStateHook(),)
-        _single[key] = hooks
-    return hooks
-
-
-def install_default_provider() -> None:
-    """Make :func:`default_state_hooks` the state hooks of ``checkpoint`` by default.
-
-    After this, a checkpoint called with ``recompute_state_hooks=None`` (the
-    default) gets this rank's RNG hooks while a ``torch.distributed`` process group
-    is initialised, and in a single process the CPU generator (plus the current
-    accelerator's, once initialised), so dropout never replays silently
-    differently. A
-    default group whose only backend is gloo counts as a CPU run:
-    ``default_state_hooks("cpu")``, the CPU generator, even where an accelerator is
-    present (CUDA tensors over gloo need explicit hooks).
-    """
-    set_default_state_hooks_provider(_distributed_provider)

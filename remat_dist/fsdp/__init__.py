@@ -16,15 +16,11 @@ replaces ``forward`` on each block instance, so FSDP2's and TP's module hooks st
 outside the checkpoint and remat adds no parameter all-gather in backward.
 """
 
-from remat_dist.fsdp._apply import (
-    BlockRemat,
-    RematPolicy,
-    apply_remat,
-    remat_plan,
-    remove_remat,
-)
+from remat_dist.fsdp._apply import BlockRemat, apply_remat, remat_plan, remove_remat
 from remat_dist.fsdp._blocks import BlockSelector
-from remat_dist.fsdp._shard import TensorParallelPlan, reference_tp_plan, shard_model
+from remat_dist.fsdp._policy import RematPolicy
+from remat_dist.fsdp._shard import shard_model
+from remat_dist.fsdp._tp_plan import TensorParallelPlan, reference_tp_plan
 
 __all__ = [
     "BlockRemat",

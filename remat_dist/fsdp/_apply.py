@@ -31,78 +31,46 @@ compose, and is refused with a :class:`RematUsageError`, is a checkpointed block
 that *contains* FSDP units (their all-gathers would run inside the checkpoint) or
 another checkpoint.
 
-Policies
---------
-``policy`` decides, per block, what the checkpoint keeps:
-
-``"full"``
-    recompute the whole block in backward (keep only its inputs).
-``"none"``
-    leave the block alone.
-``{"attention": "save", ...}``
-    checkpoint the block, but make each call of the named submodules (paths
-    relative to the block) a region: ``"save"`` keeps that call's activations and
-    skips it on replay (its outputs are persisted, since block code such as
-    ``x + self.attention(h)`` reads them outside any region); ``"recompute"``
-    reruns it (a named region in traces and reports). The region covers the whole
-    module call, the submodule's own hooks included (tensor-parallel
-    ``PrepareModuleInput`` on ``attention``, say), so a saved submodule's
-    communication is not replayed either.
-``{"every": k}`` or the int ``k``
-    checkpoint only every k-th matched block, counting from the first one: blocks
-    with index ``i % k == 0`` (so ``k=2`` checkpoints blocks 0, 2, 4, ...). A dict
-    may combine ``"every"`` with submodule entries.
-a callable ``(qualified_name, module) -> "full" | "none" | dict``
-    decided per block (the dict must not contain ``"every"``).
+Where the rest lives: the policy language (``"full"``, ``{"attention": "save"}``,
+``{"every": k}``, callables) in ``remat_dist.fsdp._policy``; the instance patches
+themselves (install, run, remove) in ``remat_dist.fsdp._patch``. This module holds
+the checks that refuse a layout before anything changes, and the public calls.
 """
 
 from __future__ import annotations
 
-import types
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from remat_dist.core import (
-    RecomputeStateHook,
-    checkpoint,
-    recompute_needs_tensor,
-    region,
-)
+from remat_dist.core import RecomputeStateHook, checkpoint
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
+from remat_dist.fsdp._patch import (
+    BLOCK_ATTR,
+    REGION_ATTR,
+    call_block,
+    install_block,
+    install_region,
+    instance_forward,
+    uninstall,
+)
+from remat_dist.fsdp._policy import RematPolicy, resolve_policy
 
 __all__ = [
     "BlockRemat",
-    "RematPolicy",
     "apply_remat",
     "remat_plan",
     "remove_remat",
 ]
 
-BLOCK_ATTR = "_remat_dist_block"
-"""Instance attribute of a checkpointed block: its :class:`BlockRemat`."""
-
-REGION_ATTR = "_remat_dist_region"
-"""Instance attribute of a submodule turned into a region: its :class:`_RegionSpec`."""
-
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
-
-REGION_MODES = ("save", "recompute")
-
-RematPolicy = Union[
-    str,
-    int,
-    Mapping[str, Any],
-    Callable[[str, nn.Module], Union[str, Mapping[str, str]]],
-]
-"""What ``policy=`` accepts (see the module docstring)."""
 
 
 @dataclass
@@ -126,167 +94,6 @@ class BlockRemat:
     run: Any = field(default=None, repr=False)
     """The checkpointed ``(module, *args, **kwargs) -> out`` callable."""
 
-
-@dataclass
-class _RegionSpec:
-    name: str
-    mode: str
-    block: str
-    attr: str = "_call_impl"
-    """The instance attribute replaced: ``_call_impl`` (the whole module call,
-    hooks included) or ``forward`` (fallback: the module's hooks stay outside)."""
-    previous: Any = field(default=None, repr=False)
-    run: Any = field(default=None, repr=False)
-
-
-def _call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    prev = module.__dict__[BLOCK_ATTR].previous_forward
-    if prev is None:
-        return type(module).forward(module, *args, **kwargs)
-    return prev(*args, **kwargs)
-
-
-def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    spec: _RegionSpec = module.__dict__[REGION_ATTR]
-    if spec.previous is not None:
-        return spec.previous(*args, **kwargs)
-    return getattr(type(module), spec.attr)(module, *args, **kwargs)
-
-
-_CALL_IMPL_OK: bool | None = None
-
-
-def _call_impl_overridable() -> bool:
-    """Whether ``nn.Module.__call__`` dispatches through an instance
-    ``_call_impl`` in this torch (it does in 2.x: ``_wrapped_call_impl``)."""
-    global _CALL_IMPL_OK
-    if _CALL_IMPL_OK is None:
-
-        class _Probe(nn.Module):
-            def forward(self) -> int:
-                return 0
-
-        probe = _Probe()
-        probe.__dict__["_call_impl"] = lambda *a, **k: 1
-        try:
-            _CALL_IMPL_OK = probe() == 1
-        except Exception:  # pragma: no cover - torch internals changed
-            _CALL_IMPL_OK = False
-    return _CALL_IMPL_OK
-
-
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Instance ``forward`` of a block: the original forward in a checkpoint."""
-    return self.__dict__[BLOCK_ATTR].run(self, *args, **kwargs)
-
-
-def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Instance ``_call_impl`` (or ``forward``) of a policy submodule: the module
-    call as a region.
-
-    Replacing ``_call_impl`` puts the submodule's own hooks inside the region, so
-    a save region also skips, on replay, what tensor-parallel input/output hooks
-    on that submodule communicate. A save region's outputs are persisted: block
-    code reads them outside any region (``x + self.attention(h)``), and replay
-    must feed that code real values.
-    """
-    spec: _RegionSpec = self.__dict__[REGION_ATTR]
-    out = spec.run(self, *args, **kwargs)
-    if spec.mode == "save":
-        leaves = out if isinstance(out, (tuple, list)) else (out,)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if tensors:
-            recompute_needs_tensor(*tensors)
-    return out
-
-
-def _existing_instance_forward(module: nn.Module) -> Any:
-    return module.__dict__.get("forward")
-
-
-def _resolve_policy(
-    policy: RematPolicy, index: int, name: str, module: nn.Module
-) -> dict[str, str] | None:
-    """The region map for one block, or None to leave it alone."""
-    where = f"remat_dist.apply_remat(policy=...) for block {name!r}"
-    if isinstance(policy, bool):
-        raise RematUsageError(f"{where}: policy must not be a bool, got {policy!r}.")
-    if isinstance(policy, int):
-        policy = {"every": policy}
-    if isinstance(policy, str):
-        if policy == "full":
-            return {}
-        if policy == "none":
-            return None
-        raise RematUsageError(
-            f"{where}: unknown policy {policy!r}. Fix: use 'full', 'none', a dict "
-            "such as {'attention': 'save'}, {'every': 2}, or a callable "
-            "(qualified_name, module) -> 'full' | 'none' | dict."
-        )
-    if isinstance(policy, Mapping):
-        regions = dict(policy)
-        every = regions.pop("every", 1)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise RematUsageError(
-                f"{where}: 'every' must be a positive int, got {every!r}."
-            )
-        if index % every:
-            return None
-        return _check_regions(regions, name, module)
-    if callable(policy):
-        decided = policy(name, module)
-        if isinstance(decided, Mapping) and "every" in decided:
-            raise RematUsageError(
-                f"{where}: the policy callable returned a dict with 'every'; a "
-                "callable decides per block already. Fix: return 'none' for the "
-                "blocks to skip."
-            )
-        if not isinstance(decided, (str, Mapping)):
-            raise RematUsageError(
-                f"{where}: the policy callable returned {decided!r}; expected 'full', "
-                "'none' or a dict {submodule: 'save' | 'recompute'}."
-            )
-        return _resolve_policy(decided, 0, name, module)
-    raise RematUsageError(
-        f"{where}: policy must be a str, an int, a dict or a callable, got "
-        f"{type(policy).__name__}."
-    )
-
-
-def _check_regions(
-    regions: dict[str, Any], name: str, block: nn.Module
-) -> dict[str, str]:
-    for path, mode in regions.items():
-        if not isinstance(path, str) or not path:
-            raise RematUsageError(
-                f"remat_dist.apply_remat: policy keys are submodule paths relative to "
-                f"the block, got {path!r} for block {name!r}."
-            )
-        if mode not in REGION_MODES:
-            raise RematUsageError(
-                f"remat_dist.apply_remat: policy[{path!r}] for block {name!r} is "
-                f"{mode!r}; expected one of {REGION_MODES}."
-            )
-        try:
-            block.get_submodule(path)
-        except AttributeError:
-            children = [n for n, _ in block.named_modules() if n]
-            shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
-            raise RematUsageError(
-                f"remat_dist.apply_remat: block {name!r} ({type(block).__name__}) has "
-                f"no submodule {path!r} named in the policy. Its submodules: {shown}. "
-                "Fix: use a path relative to the block, or a callable policy for "
-                "blocks of different shapes."
-            ) from None
-    for outer, mode in regions.items():
-        for inner, inner_mode in regions.items():
-            if mode == "save" and strictly_inside(outer, inner):
-                raise RematUsageError(
-                    f"remat_dist.apply_remat: in block {name!r}, {inner!r} "
-                    f"({inner_mode}) lies inside save region {outer!r}, whose body "
-                    "is never replayed. Fix: drop the inner entry."
-                )
-    return dict(regions)
 
 
 def _nested_checkpoint_types() -> tuple[type, ...]:
@@ -342,8 +149,9 @@ def apply_remat(
             relative to :func:`shard_model` does not matter).
         blocks: module classes, a predicate ``(qualified_name, module) -> bool``,
             or fully qualified names (see ``remat_dist.fsdp._blocks``).
-        policy: what each checkpoint keeps (see the module docstring): ``"full"``,
-            ``{"attention": "save"}``, ``{"every": k}`` / ``k``, or a callable.
+        policy: what each checkpoint keeps (see ``remat_dist.fsdp._policy``):
+            ``"full"``, ``{"attention": "save"}``, ``{"every": k}`` / ``k``, or a
+            callable.
         recompute_state_hooks: ``recompute_state_hooks`` of every checkpoint
             (None: the checkpoint's default set, this rank's RNG with a process
             group, the CPU generator in one process; ``()``: none).
@@ -440,7 +248,7 @@ def apply_remat(
         # policy checkpoints nothing (so a rank-dependent policy raises everywhere).
         model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_mark_step)
     for index, (name, module) in enumerate(selected):
-        regions = _resolve_policy(policy, index, name, module)
+        regions = resolve_policy(policy, index, name, module)
         if regions is None:
             continue
         for path in regions:
@@ -462,7 +270,7 @@ def apply_remat(
             recompute_state_hooks=hooks,
             collectives=collectives,
             determinism_check=determinism_check,
-        )(_call_block)
+        )(call_block)
         built.append((name, module, regions, run))
     for name, module, regions, run in built:
         spec = BlockRemat(
@@ -470,39 +278,18 @@ def apply_remat(
             regions=regions,
             state_hooks=hooks,
             collectives=collectives,
-            previous_forward=_existing_instance_forward(module),
+            previous_forward=instance_forward(module),
             run=run,
         )
-        module.__dict__[BLOCK_ATTR] = spec
-        module.forward = types.MethodType(_checkpointed_forward, module)
+        install_block(module, spec)
         for path, mode in regions.items():
-            sub = module.get_submodule(path)
-            attr = "forward"
-            if _call_impl_overridable() and sub._compiled_call_impl is None:
-                attr = "_call_impl"
-            rspec = _RegionSpec(
-                name=path,
-                mode=mode,
-                block=name,
-                attr=attr,
-                previous=sub.__dict__.get(attr),
-                run=region(_call_region, path, recompute=(mode == "recompute")),
-            )
-            sub.__dict__[REGION_ATTR] = rspec
-            sub.__dict__[attr] = types.MethodType(_region_call, sub)
+            install_region(module.get_submodule(path), path, mode, block=name)
     return model
 
 
 def _mark_step(module: nn.Module, args: Any) -> None:
     if torch.is_grad_enabled():
         mark_step()
-
-
-def _restore_forward(module: nn.Module, previous: Any) -> None:
-    if previous is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = previous
 
 
 def remove_remat(model: nn.Module) -> nn.Module:
@@ -512,14 +299,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
     if hook is not None:
         hook.remove()
     for _, module in model.named_modules():
-        spec = module.__dict__.pop(REGION_ATTR, None)
-        if spec is not None:
-            module.__dict__.pop(spec.attr, None)
-            if spec.previous is not None:
-                module.__dict__[spec.attr] = spec.previous
-        bspec = module.__dict__.pop(BLOCK_ATTR, None)
-        if bspec is not None:
-            _restore_forward(module, bspec.previous_forward)
+        uninstall(module)
     return model
 
 

@@ -11,6 +11,11 @@ import torch
 
 import remat_dist as remat
 from remat_dist.core import _record
+from remat_dist.distributed import (
+    default_state_hooks,
+    install_default_provider,
+    rank_device,
+)
 from remat_dist.distributed.rng import (
     PHILOX_SNAPSHOT_NBYTES,
     CPURNGStateHook,
@@ -18,9 +23,6 @@ from remat_dist.distributed.rng import (
     DTensorRNGStateHook,
     GeneratorStateHook,
     PhiloxState,
-    default_state_hooks,
-    install_default_provider,
-    rank_device,
 )
 
 CPU_STATE_NBYTES = 5056  # MT19937: 624 words + position + seed + cached normals

@@ -1,0 +1,105 @@
+"""The default state hooks: :func:`default_state_hooks` and the provider that makes
+them the default of every ``checkpoint``.
+
+The core knows nothing of ranks; it asks a provider for the hooks of a checkpoint
+called with ``recompute_state_hooks=None``. :func:`install_default_provider`
+(called when ``remat_dist.distributed`` is imported) installs the one here: this
+rank's RNG hooks while a process group is initialised, the CPU generator (plus an
+initialised accelerator's) in a single process. The hooks themselves are in
+``remat_dist.distributed.rng``; this module only picks and caches sets of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
+from remat_dist.distributed._rank_device import accelerator_type, rank_device
+from remat_dist.distributed.rng import (
+    CPURNGStateHook,
+    DeviceRNGStateHook,
+    DTensorRNGStateHook,
+)
+
+__all__ = ["default_state_hooks", "install_default_provider"]
+
+
+def default_state_hooks(
+    device: torch.device | str | int | None = None, *, cpu: bool = False
+) -> tuple[RecomputeStateHook, ...]:
+    """The hook set that makes a normal FSDP2 / TP model replay exactly on this rank.
+
+    ``(DeviceRNGStateHook(device), DTensorRNGStateHook(...))`` on an accelerator run
+    (the DTensor hook skips the device hook's generator, so it costs nothing more
+    unless DTensor uses another device's generator), plus :class:`CPURNGStateHook`
+    with ``cpu=True``. On a CPU-only run the device hook *is* the CPU generator and
+    DTensor keeps nothing else, so the set is that one hook (5056 bytes a
+    snapshot), ``cpu=True`` or not. Generators the model passes explicitly
+    (``generator=``) need their own :class:`GeneratorStateHook`.
+    """
+    dev_hook = DeviceRNGStateHook(device)
+    hooks: list[RecomputeStateHook] = [dev_hook]
+    if dev_hook.device.type != "cpu":
+        if torch.distributed.is_available():
+            hooks.append(DTensorRNGStateHook(exclude_devices=(dev_hook.device,)))
+        if cpu:
+            hooks.append(CPURNGStateHook())
+    return tuple(hooks)
+
+
+_provider_cache: dict[torch.device, tuple[RecomputeStateHook, ...]] = {}
+
+
+def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return _single_process_hooks()
+    # A group whose only backend is gloo is a CPU run, also on a machine with an
+    # accelerator (the test harness, CPU launches). The hooks hold no per-call
+    # state: reuse one set per device (resolved per call, so a set_device after
+    # install is honoured).
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else rank_device()
+    hooks = _provider_cache.get(device)
+    if hooks is None:
+        hooks = _provider_cache[device] = default_state_hooks(device)
+    return hooks
+
+
+_single: dict[str, tuple[RecomputeStateHook, ...]] = {}
+
+
+def _single_process_hooks() -> tuple[RecomputeStateHook, ...]:
+    """One process: the CPU generator, plus the current accelerator's generator once
+    that accelerator is initialised (never initialising it), as
+    ``torch.utils.checkpoint``'s ``preserve_rng_state`` covers both. Dropout then
+    replays exactly by default, never silently differently."""
+    acc = accelerator_type()
+    initialized = False
+    if acc is not None:
+        module = torch.get_device_module(acc)
+        is_init = getattr(module, "is_initialized", None)
+        initialized = bool(is_init()) if callable(is_init) else False
+    key = acc if initialized else "cpu"
+    hooks = _single.get(key)
+    if hooks is None:
+        hooks = (CPURNGStateHook(),)
+        if initialized:
+            hooks += (DeviceRNGStateHook(),)
+        _single[key] = hooks
+    return hooks
+
+
+def install_default_provider() -> None:
+    """Make :func:`default_state_hooks` the state hooks of ``checkpoint`` by default.
+
+    After this, a checkpoint called with ``recompute_state_hooks=None`` (the
+    default) gets this rank's RNG hooks while a ``torch.distributed`` process group
+    is initialised, and in a single process the CPU generator (plus the current
+    accelerator's, once initialised), so dropout never replays silently
+    differently. A
+    default group whose only backend is gloo counts as a CPU run:
+    ``default_state_hooks("cpu")``, the CPU generator, even where an accelerator is
+    present (CUDA tensors over gloo need explicit hooks).
+    """
+    set_default_state_hooks_provider(_distributed_provider)

@@ -1,0 +1,172 @@
+"""The instance patches behind ``apply_remat``: checkpointed blocks and policy regions.
+
+``apply_remat`` (``remat_dist.fsdp._apply``) decides what to checkpoint; this module
+installs and removes the per-instance replacements that do it, and runs them:
+
+* a block gets an instance ``forward`` that runs its previous forward (the
+  instance's own, else the class's) inside its checkpoint, so module hooks (FSDP2's,
+  block-level tensor-parallel ones) stay outside the checkpoint;
+* a policy submodule gets an instance ``_call_impl`` (``nn.Module.__call__``
+  dispatches through it), so the region covers the whole module call, hooks
+  included; where that is not possible (a submodule compiled with
+  ``module.compile()``, or a torch that does not dispatch through it) its
+  ``forward`` is replaced instead.
+
+Each patched module keeps what it replaced in an instance attribute
+(:data:`BLOCK_ATTR`, :data:`REGION_ATTR`), which :func:`uninstall` puts back.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat_dist.core import recompute_needs_tensor, region
+
+__all__ = [
+    "BLOCK_ATTR",
+    "REGION_ATTR",
+    "RegionSpec",
+    "call_block",
+    "install_block",
+    "install_region",
+    "instance_forward",
+    "uninstall",
+]
+
+BLOCK_ATTR = "_remat_dist_block"
+"""Instance attribute of a checkpointed block: its ``BlockRemat``."""
+
+REGION_ATTR = "_remat_dist_region"
+"""Instance attribute of a submodule turned into a region: its :class:`RegionSpec`."""
+
+
+@dataclass
+class RegionSpec:
+    """What :func:`install_region` did to one submodule (see ``remat_plan``'s
+    ``BlockRemat.regions`` for the user-facing view)."""
+
+    name: str
+    mode: str
+    block: str
+    attr: str = "_call_impl"
+    """The instance attribute replaced: ``_call_impl`` (the whole module call,
+    hooks included) or ``forward`` (fallback: the module's hooks stay outside)."""
+    previous: Any = field(default=None, repr=False)
+    run: Any = field(default=None, repr=False)
+
+
+def call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The block's forward as it was before ``apply_remat`` (what a checkpoint runs)."""
+    prev = module.__dict__[BLOCK_ATTR].previous_forward
+    if prev is None:
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
+
+
+def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    spec: RegionSpec = module.__dict__[REGION_ATTR]
+    if spec.previous is not None:
+        return spec.previous(*args, **kwargs)
+    return getattr(type(module), spec.attr)(module, *args, **kwargs)
+
+
+_CALL_IMPL_OK: bool | None = None
+
+
+def _call_impl_overridable() -> bool:
+    """Whether ``nn.Module.__call__`` dispatches through an instance
+    ``_call_impl`` in this torch (it does in 2.x: ``_wrapped_call_impl``)."""
+    global _CALL_IMPL_OK
+    if _CALL_IMPL_OK is None:
+
+        class _Probe(nn.Module):
+            def forward(self) -> int:
+                return 0
+
+        probe = _Probe()
+        probe.__dict__["_call_impl"] = lambda *a, **k: 1
+        try:
+            _CALL_IMPL_OK = probe() == 1
+        except Exception:  # pragma: no cover - torch internals changed
+            _CALL_IMPL_OK = False
+    return _CALL_IMPL_OK
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Instance ``forward`` of a block: the original forward in a checkpoint."""
+    return self.__dict__[BLOCK_ATTR].run(self, *args, **kwargs)
+
+
+def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Instance ``_call_impl`` (or ``forward``) of a policy submodule: the module
+    call as a region.
+
+    Replacing ``_call_impl`` puts the submodule's own hooks inside the region, so
+    a save region also skips, on replay, what tensor-parallel input/output hooks
+    on that submodule communicate. A save region's outputs are persisted: block
+    code reads them outside any region (``x + self.attention(h)``), and replay
+    must feed that code real values.
+    """
+    spec: RegionSpec = self.__dict__[REGION_ATTR]
+    out = spec.run(self, *args, **kwargs)
+    if spec.mode == "save":
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if tensors:
+            recompute_needs_tensor(*tensors)
+    return out
+
+
+def instance_forward(module: nn.Module) -> Any:
+    """The ``forward`` set on the instance itself (None: the class's is used)."""
+    return module.__dict__.get("forward")
+
+
+def install_block(module: nn.Module, spec: Any) -> None:
+    """Make ``module`` run ``spec.run`` (its checkpoint) as its forward; ``spec``
+    is the block's ``BlockRemat``."""
+    module.__dict__[BLOCK_ATTR] = spec
+    module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def install_region(sub: nn.Module, path: str, mode: str, *, block: str) -> None:
+    """Make every call of ``sub`` (at ``path`` in block ``block``) a region run
+    in ``mode`` (``"save"`` or ``"recompute"``)."""
+    attr = "forward"
+    if _call_impl_overridable() and sub._compiled_call_impl is None:
+        attr = "_call_impl"
+    rspec = RegionSpec(
+        name=path,
+        mode=mode,
+        block=block,
+        attr=attr,
+        previous=sub.__dict__.get(attr),
+        run=region(_call_region, path, recompute=(mode == "recompute")),
+    )
+    sub.__dict__[REGION_ATTR] = rspec
+    sub.__dict__[attr] = types.MethodType(_region_call, sub)
+
+
+def _restore_forward(module: nn.Module, previous: Any) -> None:
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous
+
+
+def uninstall(module: nn.Module) -> None:
+    """Undo :func:`install_block` and :func:`install_region` on ``module`` (either,
+    both or none may have been applied)."""
+    spec = module.__dict__.pop(REGION_ATTR, None)
+    if spec is not None:
+        module.__dict__.pop(spec.attr, None)
+        if spec.previous is not None:
+            module.__dict__[spec.attr] = spec.previous
+    bspec = module.__dict__.pop(BLOCK_ATTR, None)
+    if bspec is not None:
+        _restore_forward(module, bspec.previous_forward)
