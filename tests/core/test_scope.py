@@ -23,6 +23,7 @@ from remat_dist.core.scope import (
     live_scope_records,
 )
 from remat_dist.errors import RematError, RematUsageError
+from remat_dist.testing import SavedBytesCounter
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -85,6 +86,19 @@ def _grads_equal(fn, params, seed: int = 0) -> None:
     for a, b in zip(g0, g1, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
     assert torch.equal(rng0, rng1)
+
+
+def _assert_keeps_less(fn, seed: int = 0) -> None:
+    """fn(use_scope) -> loss: with the scope, autograd keeps fewer bytes for
+    backward (counted by SavedBytesCounter, parameters apart) than without."""
+    saved = {}
+    for use in (False, True):
+        torch.manual_seed(seed)
+        with SavedBytesCounter() as count:
+            out = fn(use)
+        out.sum().backward()
+        saved[use] = count.activation_bytes
+    assert saved[True] < saved[False], saved
 
 
 class Block(nn.Module):
@@ -220,6 +234,8 @@ def test_block_chain_and_residual_loop_bitwise():
 
     _grads_equal(chain, params)
     _grads_equal(residual, params)
+    _assert_keeps_less(chain)
+    _assert_keeps_less(residual)
 
 
 def test_block_replays_once_and_keeps_no_activation():
@@ -355,24 +371,27 @@ def test_scopes_in_threads_do_not_interfere():
     ]
     uses = [True, True, False]  # two threads with scopes, one without
 
-    def grads(i: int, barrier: threading.Barrier | None) -> torch.Tensor:
+    def grads(i: int, barrier: threading.Barrier | None) -> tuple[torch.Tensor, int]:
         x0 = inputs[i].clone().requires_grad_()
         x = x0
         gen = torch.Generator().manual_seed(5)
-        for blk in blocks:
-            with _scope(uses[i]):
-                if barrier is not None:
-                    barrier.wait()  # all three threads are inside their block
-                    depths[i] = active_scope_depth()
-                x = blk(x) * torch.rand(x.shape, generator=gen)
-                if barrier is not None:
-                    barrier.wait()
+        with SavedBytesCounter(blocks.parameters()) as count:
+            for blk in blocks:
+                with _scope(uses[i]):
+                    if barrier is not None:
+                        barrier.wait()  # all three threads are inside their block
+                        depths[i] = active_scope_depth()
+                    x = blk(x) * torch.rand(x.shape, generator=gen)
+                    if barrier is not None:
+                        barrier.wait()
         (gx,) = torch.autograd.grad(x.sum(), x0)
-        return gx
+        return gx, count.activation_bytes
 
     depths: dict[int, int] = {}
     refs = [grads(i, None) for i in range(3)]
-    out: dict[int, torch.Tensor] = {}
+    # Same shapes in every thread: the two scoped ones keep less for backward.
+    assert refs[0][1] == refs[1][1] < refs[2][1]
+    out: dict[int, tuple[torch.Tensor, int]] = {}
     barrier = threading.Barrier(3)
     threads = [
         threading.Thread(target=lambda i=i: out.__setitem__(i, grads(i, barrier)))
@@ -384,7 +403,8 @@ def test_scopes_in_threads_do_not_interfere():
         t.join()
     assert depths == {0: 1, 1: 1, 2: 0}
     for i in range(3):
-        assert torch.equal(out[i], refs[i])
+        assert torch.equal(out[i][0], refs[i][0])
+        assert out[i][1] == refs[i][1]  # each thread kept what it keeps alone
     assert _no_hook_installed()
 
 
@@ -429,16 +449,23 @@ def test_torch_checkpoint_inside_after_and_around_a_scope():
             h = tuc.checkpoint(blocks[0], x0, use_reentrant=False).sin()
         return tuc.checkpoint(blocks[1], h, use_reentrant=False)
 
+    scopes = []
+
     def around(use: bool) -> torch.Tensor:
         def fn(x):
-            with _scope(use):
+            with _scope(use) as s:
                 y = blocks[0](x).cos()
+            scopes.append(s)
             return blocks[1](y * 3)
 
         return tuc.checkpoint(fn, x0, use_reentrant=False)
 
     _grads_equal(inside_and_after, params)
+    _assert_keeps_less(inside_and_after)
     _grads_equal(around, params)
+    # torch's checkpoint keeps only x0 either way, but what y's ops save went to
+    # the scope entered in forward, which replayed it (the recompute's did not).
+    assert [s.record.stats()["replays"] for s in scopes if s is not None] == [1, 0]
 
 
 # --- replay exactness ----------------------------------------------------------------
@@ -458,21 +485,24 @@ def test_autocast_cpu_bf16_bitwise():
         return x.float()
 
     _grads_equal(loss, [x0, *blocks.parameters()])
+    _assert_keeps_less(loss)
 
 
 def test_double_backward_bitwise():
-    def grads(use: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def grads(use: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         a = torch.linspace(-1, 1, 6, requires_grad=True)
-        with _scope(use):
-            h = a.exp()  # exp saves its output: a handle
-            t = h.tanh()
-        y = (t * h).sum()
+        with SavedBytesCounter() as count:
+            with _scope(use):
+                h = a.exp()  # exp saves its output: a handle
+                t = h.tanh()
+            y = (t * h).sum()
         (g,) = torch.autograd.grad(y, a, create_graph=True)
         (g2,) = torch.autograd.grad(g.pow(2).sum(), a)
-        return g.detach(), g2
+        return g.detach(), g2, count.activation_bytes
 
-    (g, g2), (sg, sg2) = grads(False), grads(True)
+    (g, g2, kept), (sg, sg2, scope_kept) = grads(False), grads(True)
     assert torch.equal(g, sg) and torch.equal(g2, sg2)
+    assert (kept, scope_kept) == (2 * 6 * 4, 0)  # h and t, each 6 floats
 
 
 def test_rng_explicit_generator_and_dropout():
@@ -487,6 +517,7 @@ def test_rng_explicit_generator_and_dropout():
         return h * a
 
     _grads_equal(loss, [a])
+    _assert_keeps_less(loss)
 
 
 def test_views_and_inplace_ops_inside_scope():
@@ -514,6 +545,7 @@ def test_views_and_inplace_ops_inside_scope():
         ).reshape(1)
 
     _grads_equal(loss, [x0, w])
+    _assert_keeps_less(loss)
 
 
 def test_outside_tensor_written_in_place_inside_scope():
@@ -529,6 +561,7 @@ def test_outside_tensor_written_in_place_inside_scope():
         return h * 2
 
     _grads_equal(loss, [x0, *bn.parameters()])
+    _assert_keeps_less(loss)
     stats = []
     for use in (False, True):
         bn.reset_running_stats()
@@ -582,8 +615,11 @@ def test_exception_inside_scope_cleans_state():
             x = a.exp()
             raise ValueError("boom")
     assert active_scope_depth() == 0 and _no_hook_installed() and _no_dispatch_mode()
-    # What was produced before the exception still works in backward.
-    (x * a).sum().backward()
+    # What was produced before the exception is still recomputed, not kept.
+    with _Kept() as kept:
+        y = x * a
+    assert not kept.holds(x)
+    y.sum().backward()
     assert torch.equal(a.grad, (a.exp() * a + a.exp()).detach())
 
 
@@ -618,6 +654,7 @@ def test_outside_tensor_saved_inside_scope_keeps_autograd_version_check():
     src = torch.randn(8) * 1
     with gradient_checkpoint_scope():
         y = src * w  # src is saved for w's gradient, as usual
+    assert type(y) is ScopeOutput
     src.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
@@ -627,10 +664,14 @@ def test_modified_outside_after_scope_is_saved_as_usual():
     a = torch.randn(8, requires_grad=True)
     with gradient_checkpoint_scope():
         h = a.exp()
+        untouched = a.exp()
     h.mul_(2)  # now not what the scope computed: later saves keep it
     with _Kept() as kept:
         y = h * a
-    assert kept.holds(h)
+        z = untouched * a
+    assert kept.holds(h) and not kept.holds(untouched)
+    z.sum().backward()
+    a.grad = None
     y.sum().backward()
     assert torch.allclose(a.grad, (2 * a.exp() * (a + 1)).detach())
 

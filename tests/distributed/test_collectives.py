@@ -9,8 +9,11 @@ real all_reduce to show the process group is still healthy for the next test.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,28 +247,101 @@ def test_subgroup_identity_and_nesting(ctx):
     assert inner.ledger[0].group_ranks == (0, 1)
 
 
-@distributed(world_size=2)
-def test_extent_is_thread_local_and_toggles_the_key(ctx):
-    key = torch._C._parse_dispatch_key(interception_key() or "Fake")
+def _key_included(key: str) -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_included(
+        torch._C._parse_dispatch_key(key)
+    )
+
+
+def _on_fresh_thread(fn):
+    """Run ``fn`` on a new thread (whose dispatch TLS no earlier test touched)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # re-raised on the calling thread
+            out["error"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _check_interception() -> str:
+    """Only the collectives issued inside an extent, on its thread, reach the
+    observer; with the ``Fake`` key the key is in the TLS only inside an extent."""
+    with observe_collectives(RecordCollectives()):
+        pass  # installs the kernels
+    key = interception_key()
+    assert key in ("Fake", "BackendSelect")
+    s0 = _seq()
     rec = RecordCollectives()
+    before = _key_included(key)
+    dist.all_reduce(torch.ones(1))
     with observe_collectives(rec):
-        if interception_key() == "Fake":
-            assert torch._C._dispatch_tls_is_dispatch_key_included(key)
-        seen = []
-        th = threading.Thread(
-            target=lambda: seen.append(
-                torch._C._dispatch_tls_is_dispatch_key_included(key)
-            )
-        )
+        inside = _key_included(key)
+        other: list = []
+
+        def other_thread():
+            other.append(_key_included(key))
+            dist.all_reduce(torch.ones(2))
+
+        th = threading.Thread(target=other_thread)
         th.start()
         th.join()
-        assert seen == [False] or interception_key() != "Fake"
-        th = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)))
-        th.start()
-        th.join()
-    assert len(rec.ledger) == 0  # the other thread's collective is not this extent's
-    if interception_key() == "Fake":
-        assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+        dist.all_reduce(torch.ones(3))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    after = _key_included(key)
+    dist.all_reduce(torch.ones(5))
+    assert _seq() - s0 == 5
+    assert [e.inputs[0].shape for e in rec.ledger] == [(3,), (4,)]
+    if key == "Fake":
+        assert (before, inside, other, after) == (False, True, [False], False)
+    else:  # always reached; the kernels look at the observer stack instead
+        assert [before, inside, *other, after] == [before] * 4
+    return key
+
+
+@distributed(world_size=2)
+def test_extent_intercepts_on_its_thread_only_and_toggles_the_key(ctx):
+    _on_fresh_thread(_check_interception)
+    _healthy(ctx)
+
+
+def _check_interception_at(key: str, store_path: str) -> None:
+    """Entry point of a fresh process: interception at ``key``, on 1 gloo rank."""
+    from remat_dist.distributed import _intercept
+
+    assert interception_key() == ""  # nothing installed in this process yet
+    _intercept._choose_key = lambda: (key, key == "Fake")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1
+    )
+    try:
+        assert _on_fresh_thread(_check_interception) == key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_select_fallback_intercepts_in_a_fresh_process(tmp_path):
+    # The pooled ranks use the key _choose_key picks (Fake on torch 2.13); the
+    # fallback is process-wide, so it is tried in a process of its own.
+    code = (
+        "from tests.distributed.test_collectives import _check_interception_at\n"
+        f"_check_interception_at('BackendSelect', {str(tmp_path / 'store')!r})\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # -------------------------------------------------------------------------- verify

@@ -25,7 +25,7 @@ What is compared, and how exactly:
   - TP + SP draws each rank's dropout mask for its own sequence shard, so with
     dropout it cannot match one process; it is compared at dropout 0 instead.
 * FSDP2 parameter all-gathers issued during backward: remat adds none (counted by
-  wrapping ``dist.all_gather_single``, the call FSDP2 makes, during backward).
+  an observer of the collectives the training step issues, nothing patched).
 * the checkpoints really recompute: MLP calls double, a saved attention's body
   runs once.
 """
@@ -35,12 +35,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
 from remat_dist.fsdp import apply_remat, reference_tp_plan, shard_model
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing import dist_context, run_distributed
@@ -67,58 +69,31 @@ def gpt_loss(model, batch):
 
 # -- counting --------------------------------------------------------------------
 
-_COUNTS = {"fsdp_all_gather": 0, "tp_collectives": 0}
+# The c10d ops of FSDP2's parameter all-gather (``dist.all_gather_single``) and of
+# the functional collectives DTensor's TP redistributions issue.
+_FSDP_ALL_GATHER = "_allgather_base_"
+_TP_OPS = {
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced_",
+    "allreduce_",
+    "alltoall_base_",
+}
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+class _BackwardCollectives:
+    """Counts the collectives issued during backward, by kind."""
 
+    def __init__(self) -> None:
+        self.fsdp_all_gathers = 0
+        self.tp_collectives = 0
 
-def _install_all_gather_counter() -> None:
-    """Count FSDP2's parameter all-gathers issued during backward (FSDP2 calls
-    ``dist.all_gather_single``; older releases ``all_gather_into_tensor``)."""
-    if getattr(dist, "_remat_dist_test_counting", False):
-        return
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def counted(*args: Any, _original=original, **kwargs: Any) -> Any:
-            if _in_backward():
-                _COUNTS["fsdp_all_gather"] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    dist._remat_dist_test_counting = True
-
-
-def _install_tp_counter() -> None:
-    """Count the functional collectives DTensor issues (TP all-gathers,
-    reduce-scatters, all-reduces) during backward."""
-    import torch.distributed._functional_collectives as funcol
-
-    if getattr(funcol, "_remat_dist_test_counting", False):
-        return
-    for name in (
-        "all_gather_single",
-        "all_gather_tensor",
-        "reduce_scatter_single",
-        "reduce_scatter_tensor",
-        "all_reduce",
-        "all_to_all_single",
-    ):
-        original = getattr(funcol, name, None)
-        if original is None:
-            continue
-
-        def counted(*args: Any, _original=original, **kwargs: Any) -> Any:
-            if _in_backward():
-                _COUNTS["tp_collectives"] += 1
-            return _original(*args, **kwargs)
-
-        setattr(funcol, name, counted)
-    funcol._remat_dist_test_counting = True
+    def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            if call.op == _FSDP_ALL_GATHER:
+                self.fsdp_all_gathers += 1
+            elif call.op in _TP_OPS:
+                self.tp_collectives += 1
+        return issue()
 
 
 def _count_calls(model) -> dict[str, int]:
@@ -175,15 +150,16 @@ def train(
     if not remat_first:
         remat()
     calls = _count_calls(model)
-    _COUNTS["fsdp_all_gather"] = _COUNTS["tp_collectives"] = 0
-    result = train_steps(
-        model, batch, steps=STEPS, loss_fn=gpt_loss, make_optimizer=optimizer
-    )
+    counted = _BackwardCollectives()
+    with observe_collectives(counted):
+        result = train_steps(
+            model, batch, steps=STEPS, loss_fn=gpt_loss, make_optimizer=optimizer
+        )
     return Run(
         result,
         model,
-        _COUNTS["fsdp_all_gather"],
-        _COUNTS["tp_collectives"],
+        counted.fsdp_all_gathers,
+        counted.tp_collectives,
         dict(calls),
     )
 
@@ -235,8 +211,6 @@ def matrix_body(layout: str) -> dict[str, Any]:
 
 
 def _matrix(layout: str) -> dict[str, Any]:
-    _install_all_gather_counter()
-    _install_tp_counter()
     t0 = time.perf_counter()
     _, _, names, sps = LAYOUTS[layout]
     mesh = dist_context().mesh
