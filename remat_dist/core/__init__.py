@@ -5,7 +5,7 @@ above use (and the only one: ``remat_dist.core._*`` is private to core, enforced
 a lint rule): the per-checkpoint record (:class:`CheckpointRecord`,
 :class:`RegionRecord`, :class:`SavedEntry`), the observer seam
 (:class:`CheckpointObserver`, :func:`register_observer`), the default state-hook
-provider (:func:`set_default_state_hooks_provider`), the running frame
+provider, the option seam (:func:`declare_option`, :class:`CheckpointOptions`) (:func:`set_default_state_hooks_provider`), the running frame
 (:func:`current_frame`), the classifier of what autograd holds
 (:func:`classify_packed`, :func:`records_of_node`) and storage identity
 (:func:`plain`, :func:`storage_key`, :func:`storage_nbytes`).
@@ -17,10 +17,12 @@ from remat_dist.core._hooks import (
     save_for_backward,
     saved_tensors_hooks,
 )
+from remat_dist.core._options import CheckpointOptions, OptionSpec, declare_option
 from remat_dist.core._packed import PackedKind, classify_packed, records_of_node
 from remat_dist.core._placeholder import is_placeholder
 from remat_dist.core._record import (
     CheckpointObserver,
+    CheckpointPhase,
     CheckpointRecord,
     PersistedOutput,
     RegionRecord,
@@ -37,7 +39,10 @@ from remat_dist.core.scope import active_scope_depth, gradient_checkpoint_scope
 
 __all__ = [
     "CheckpointObserver",
+    "CheckpointOptions",
+    "CheckpointPhase",
     "CheckpointRecord",
+    "OptionSpec",
     "PackedKind",
     "PersistedOutput",
     "RecomputeStateHook",
@@ -51,6 +56,7 @@ __all__ = [
     "classify_packed",
     "current_frame",
     "current_saved_tensor_info",
+    "declare_option",
     "gradient_checkpoint_scope",
     "is_placeholder",
     "is_recomputing",

@@ -16,15 +16,13 @@ costs under ``torch.utils.checkpoint``.
 The pieces live by concern: regions in :mod:`~remat_dist.core._region`, the save
 region's hooks and output bookkeeping in :mod:`~remat_dist.core._save_region`, what
 core leaves on the autograd graph in :mod:`~remat_dist.core._packed`, and state-hook
-calls in :mod:`~remat_dist.core._state_hooks`. ``region``, ``name_scope`` and
-``recompute_needs_tensor`` are re-exported here, where ``remat_dist.core`` has
-always imported them from.
+calls in :mod:`~remat_dist.core._state_hooks`, options in
+:mod:`~remat_dist.core._options`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any, TypeVar
@@ -39,9 +37,9 @@ from remat_dist.core._hooks import (
     inputs_of_var,
     saved_tensors_hooks,
 )
+from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
 from remat_dist.core._packed import _link_to_graph
-from remat_dist.core._record import CheckpointRecord
-from remat_dist.core._region import name_scope, recompute_needs_tensor, region
+from remat_dist.core._record import CheckpointPhase, CheckpointRecord
 from remat_dist.core._save_region import _entry
 from remat_dist.core._state import frame_var
 from remat_dist.core._state_hooks import _restore, _snapshot
@@ -49,11 +47,10 @@ from remat_dist.core._types import RecomputeStateHook
 from remat_dist.core.scope import active_scope_depth
 from remat_dist.errors import RematUsageError
 
-__all__ = ["checkpoint", "name_scope", "recompute_needs_tensor", "region"]
+__all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-COLLECTIVE_MODES = ("replay", "save", "verify")
 _DETERMINISM_CHECKS = ("none", "default")
 
 
@@ -64,10 +61,8 @@ def checkpoint(
     region_name: str | None = None,
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
-    determinism_check: str = "none",
-    collectives: str = "replay",
-    verify_plan: bool = False,
-    **unsupported: Any,
+    determinism_check: DeterminismCheck = "none",
+    **options: Any,
 ) -> Callable[[F], F]:
     """Recompute-by-default activation checkpoint: ``checkpoint(**opts)(fn)(*args)``.
 
@@ -88,14 +83,12 @@ def checkpoint(
             inputs, save-region saves and persisted outputs.
         determinism_check: ``"none"`` or ``"default"`` (torch's metadata check of
             recomputed tensors).
-        collectives: ``"replay"`` (re-issue collectives, each checked against the
-            forward's ledger before it is issued), ``"save"`` (keep collective
-            outputs, replay issues no communication); ``"verify"`` is accepted as
-            another name of ``"replay"`` (every replay is verified). Read by
-            ``remat_dist.distributed``.
-        verify_plan: deprecated, no effect: with a process group every step's
-            plan is agreed across ranks before its backward's first collective
-            (``remat_dist.distributed``); kept for one release.
+        **options: the options the layers above declared
+            (``core.declare_option``); ``remat_dist.distributed`` declares
+            ``collectives="replay" | "save"`` (re-issue each collective, checked
+            against the forward's ledger before it is issued / keep collective
+            outputs so replay issues no communication) and the deprecated
+            ``verify_plan``.
     """
     where = region_name if isinstance(region_name, str) else "<unnamed>"
     if fn is not None:
@@ -104,7 +97,7 @@ def checkpoint(
             "torch.utils.checkpoint.checkpoint(fn, *args) but means something else). "
             "Fix: remat_dist.checkpoint(region_name='layers.0')(fn)(*args, **kwargs)."
         )
-    if "preserve_rng_state" in unsupported:
+    if "preserve_rng_state" in options:
         raise RematUsageError(
             f"remat_dist.checkpoint(region_name={where!r}): preserve_rng_state is not "
             "supported; RNG and other state are kept aligned by state hooks, "
@@ -112,14 +105,6 @@ def checkpoint(
             "recompute_state_hooks=remat_dist.distributed.default_state_hooks() (this "
             "rank's device RNG; cpu=True adds the CPU generator) or "
             "(remat_dist.CPURNGStateHook(),)."
-        )
-    if unsupported:
-        names = ", ".join(sorted(unsupported))
-        raise RematUsageError(
-            f"remat_dist.checkpoint(region_name={where!r}) got unsupported option(s) "
-            f"{names}. It is always non-reentrant and drives torch's context_fn "
-            "itself. Supported: region_name, recompute_state_hooks, "
-            "saved_tensors_hooks, determinism_check, collectives, verify_plan."
         )
     if region_name is not None and (not isinstance(region_name, str) or not region_name):
         raise RematUsageError(
@@ -131,11 +116,6 @@ def checkpoint(
             f"remat_dist.checkpoint(region_name={where!r}): determinism_check must be "
             f"one of {_DETERMINISM_CHECKS}, got {determinism_check!r}."
         )
-    if collectives not in COLLECTIVE_MODES:
-        raise RematUsageError(
-            f"remat_dist.checkpoint(region_name={where!r}): collectives must be one of "
-            f"{COLLECTIVE_MODES}, got {collectives!r}."
-        )
     hooks = None if recompute_state_hooks is None else tuple(recompute_state_hooks)
     for h in hooks or ():
         if not (callable(getattr(h, "snapshot", None)) and callable(getattr(h, "restore", None))):
@@ -144,20 +124,17 @@ def checkpoint(
                 "RecomputeStateHook. Fix: give it snapshot() -> state and "
                 "restore(state) methods."
             )
-    if verify_plan:
-        warnings.warn(
-            "remat_dist.checkpoint(verify_plan=True) is deprecated and has no effect: "
-            "every step's plan is agreed across ranks before backward's first "
-            "collective. Drop the option (or call "
-            "remat_dist.check_plan_consistency() to agree earlier).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-    options = {
-        "collectives": collectives,
-        "determinism_check": determinism_check,
-        "saved_tensors_hooks": as_hooks(saved_tensors_hooks, where),
-    }
+    extensions = resolve(
+        options,
+        f"remat_dist.checkpoint(region_name={where!r})",
+        region=False,
+        hint=" It is always non-reentrant and drives torch's context_fn itself.",
+    )
+    frozen = CheckpointOptions(
+        determinism_check=determinism_check,
+        saved_tensors_hooks=as_hooks(saved_tensors_hooks, where),
+        extensions=extensions,
+    )
 
     def decorate(fn: F) -> F:
         if not callable(fn):
@@ -169,7 +146,7 @@ def checkpoint(
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            return _run_checkpoint(fn, name, hooks, options, args, kwargs)
+            return _run_checkpoint(fn, name, hooks, frozen, args, kwargs)
 
         return run  # type: ignore[return-value]
 
@@ -187,7 +164,7 @@ def _run_checkpoint(
     fn: Callable[..., Any],
     name: str,
     hooks: tuple[RecomputeStateHook, ...] | None,
-    options: dict[str, Any],
+    options: CheckpointOptions,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
@@ -214,7 +191,7 @@ def _run_checkpoint(
     if hooks is None:
         hooks = _record.default_state_hooks_for_checkpoint()
     record = CheckpointRecord(name, hooks, options)
-    user_hooks = options["saved_tensors_hooks"]
+    user_hooks = options.saved_tensors_hooks
     hooked = user_hooks is not None or innermost_hooks() is not None
     record.input_entries = [
         _entry(t, f"input {i}", packed_by_user_hook=hooked and i < len(args))
@@ -239,7 +216,7 @@ def _run_checkpoint(
                 *args,
                 use_reentrant=False,
                 preserve_rng_state=False,
-                determinism_check=options["determinism_check"],
+                determinism_check=options.determinism_check,
                 context_fn=lambda: (forward_phase, replay_phase),
             )
         finally:
@@ -264,12 +241,12 @@ class _Phase:
     def __enter__(self) -> None:
         record = self.record
         self._tokens.append((frame_var.set(record), inputs_of_var.set(None)))
-        record.replaying = self.replay
+        if self.replay:
+            record.phase = CheckpointPhase.REPLAYING
         try:
             if self.replay:
                 record._cursor = 0
                 record.replay_count += 1
-                record.stopped_early = False
                 # Like torch's fork_rng: replay must not disturb the state that the
                 # rest of backward (and the next step) sees.
                 self._outside = _snapshot(record, "replay start")
@@ -279,7 +256,8 @@ class _Phase:
             if _record._observers:
                 _record.notify("on_checkpoint_start", record, self.replay)
         except BaseException:
-            record.replaying = False
+            if self.replay:
+                record.phase = CheckpointPhase.REPLAY_FAILED
             frame_token, inputs_token = self._tokens.pop()
             inputs_of_var.reset(inputs_token)
             frame_var.reset(frame_token)
@@ -291,25 +269,24 @@ class _Phase:
         absorbed = False
         try:
             if self.replay:
-                record.stopped_early = exc_type is torch_checkpoint._StopRecomputationError
-                if record.stopped_early:
-                    exc = None
-                elif (
-                    exc is not None
-                    and record.pack_specs is not None
-                    and _record.absorbs(record, exc)
-                ):
-                    _standin.complete_with_stand_ins(record)
-                    exc, absorbed = None, True
-                _restore(record, self._outside, "replay end")
+                if exc_type is torch_checkpoint._StopRecomputationError:
+                    phase, exc = CheckpointPhase.STOPPED_EARLY, None
+                elif exc is None:
+                    phase = CheckpointPhase.REPLAYED
+                else:
+                    phase = CheckpointPhase.REPLAY_FAILED
+                    if record.pack_specs is not None and _record.absorbs(record, exc):
+                        _standin.complete_with_stand_ins(record)
+                        exc, absorbed = None, True
+                _restore(record, self._outside, "replay end")  # still recomputing
                 self._outside = ()
+                record.phase = phase
             else:
-                record.forward_done = True
+                record.phase = CheckpointPhase.WAITING
                 for r in record.regions:
                     r.outputs = []
                 record._producers.clear()
                 record._names.clear()
-            record.replaying = False
             record._stack.clear()
             if _record._observers:
                 _record.notify("on_checkpoint_end", record, self.replay, exc)

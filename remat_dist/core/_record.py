@@ -13,18 +13,21 @@ Layers above the core (the distributed ledger, traces) attach through
 
 from __future__ import annotations
 
+import enum
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from remat_dist.core._options import CheckpointOptions
 from remat_dist.core._storage import TensorMeta
 from remat_dist.core._types import RecomputeStateHook
 
 __all__ = [
     "CheckpointObserver",
+    "CheckpointPhase",
     "CheckpointRecord",
     "PersistedOutput",
     "RegionRecord",
@@ -79,8 +82,9 @@ class RegionRecord:
     parent: int | None
     inside_save: bool
     """True for a region nested in a save region: it never runs on replay."""
-    collectives: str | None = None
-    """The region's ``collectives=`` option (None: the checkpoint's)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The region's declared options (``core.declare_option``); a None value means
+    the checkpoint's applies."""
     descendants: int = 0
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     """Forward outputs (strong refs only while the forward runs)."""
@@ -101,6 +105,23 @@ class RegionRecord:
         return not self.recompute and not self.inside_save
 
 
+class CheckpointPhase(enum.Enum):
+    """Where one checkpoint is in its life (``record.phase``)."""
+
+    FORWARD = "forward"
+    """The checkpointed function runs for the first time."""
+    WAITING = "waiting"
+    """Forward done; backward has not replayed it (yet)."""
+    REPLAYING = "replaying"
+    REPLAYED = "replayed"
+    """The last replay ran to the function's end."""
+    STOPPED_EARLY = "stopped early"
+    """torch's early stop ended the last replay: backward had all it needed."""
+    REPLAY_FAILED = "replay failed"
+    """The last replay raised; if an observer absorbed the error, backward went on
+    with stand-ins."""
+
+
 class CheckpointRecord:
     """Everything one checkpoint call knows, forward and replay.
 
@@ -110,10 +131,11 @@ class CheckpointRecord:
         state_hooks: the :class:`RecomputeStateHook` set in force.
         entry_state: the hooks' snapshots at checkpoint entry.
         input_entries: metadata of the tensor arguments (kept by torch's frame).
-        options: checkpoint options the layers above read (``collectives``, ...).
+        options: the frozen :class:`CheckpointOptions` (declared options of the
+            layers above in ``options.extensions``).
         extensions: per-observer data (the distributed ledger lives here).
-        stopped_early: whether the last replay stopped before the function's end
-            (torch's early stop: everything backward needs was recomputed).
+        phase: the :class:`CheckpointPhase`; ``replaying``, ``forward_done`` and
+            ``stopped_early`` read it.
         pack_specs: None, or (set to a list by an observer on forward start) the
             spec of every tensor torch's checkpoint saved, in order; lets the core
             complete a failed replay with stand-ins (``_standin``).
@@ -129,10 +151,8 @@ class CheckpointRecord:
         "input_entries",
         "options",
         "extensions",
-        "forward_done",
-        "replaying",
+        "phase",
         "replay_count",
-        "stopped_early",
         "pack_specs",
         "replay_packs",
         "_cursor",
@@ -146,7 +166,7 @@ class CheckpointRecord:
         self,
         name: str,
         state_hooks: Sequence[RecomputeStateHook],
-        options: dict[str, Any],
+        options: CheckpointOptions,
     ) -> None:
         self.name = name
         self.regions: list[RegionRecord] = []
@@ -155,10 +175,8 @@ class CheckpointRecord:
         self.input_entries: list[SavedEntry] = []
         self.options = options
         self.extensions: dict[str, Any] = {}
-        self.forward_done = False
-        self.replaying = False
+        self.phase = CheckpointPhase.FORWARD
         self.replay_count = 0
-        self.stopped_early = False
         self.pack_specs: list[Any] | None = None
         self.replay_packs = 0
         self._cursor = 0
@@ -166,6 +184,18 @@ class CheckpointRecord:
         self._names: set[str] = set()
         self._producers: dict[tuple[Any, int], tuple[RegionRecord, int]] = {}
         _live.add(self)
+
+    @property
+    def replaying(self) -> bool:
+        return self.phase is CheckpointPhase.REPLAYING
+
+    @property
+    def forward_done(self) -> bool:
+        return self.phase is not CheckpointPhase.FORWARD
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.phase is CheckpointPhase.STOPPED_EARLY
 
     @property
     def save_regions(self) -> list[RegionRecord]:

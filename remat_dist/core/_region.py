@@ -11,13 +11,14 @@ re-exports its public names).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from remat_dist.core import _record
+from remat_dist.core._options import resolve
 from remat_dist.core._placeholder import make_placeholder
 from remat_dist.core._record import CheckpointRecord, RegionRecord
 from remat_dist.core._save_region import (
@@ -38,15 +39,15 @@ __all__ = ["name_scope", "recompute_needs_tensor", "region"]
 class _RegionCall:
     """What :func:`region` returns: each call dispatches on the checkpoint phase."""
 
-    __slots__ = ("fn", "name", "recompute", "collectives", "__wrapped__")
+    __slots__ = ("fn", "name", "recompute", "options", "__wrapped__")
 
     def __init__(
-        self, fn: Callable[..., Any], name: str, recompute: bool, collectives: str | None
+        self, fn: Callable[..., Any], name: str, recompute: bool, options: Mapping[str, Any]
     ) -> None:
         self.fn = fn
         self.name = name
         self.recompute = recompute
-        self.collectives = collectives
+        self.options = options
         self.__wrapped__ = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +66,7 @@ def region(
     name: str,
     *,
     recompute: bool,
-    collectives: str | None = None,
+    **options: Any,
 ) -> Callable[..., Any]:
     """Mark a call inside a checkpoint: ``region(fn, name, recompute=...)(*args)``.
 
@@ -75,9 +76,11 @@ def region(
     default for any code in a checkpoint; useful for names in traces and to persist
     save-region outputs the call consumes). Outside a checkpoint: a plain call.
 
-    ``collectives="save"`` keeps the outputs of the collectives this call issues, so
-    that its replay issues no communication (the checkpoint's ``collectives=``
-    option, for this region only; read by ``remat_dist.distributed``).
+    ``**options`` are the region options the layers above declared
+    (``core.declare_option``): ``remat_dist.distributed`` declares
+    ``collectives="save"``, which keeps the outputs of the collectives this call
+    issues so that its replay issues no communication (the checkpoint's
+    ``collectives=`` option, for this region only).
     """
     if not callable(fn):
         raise RematUsageError(
@@ -94,12 +97,8 @@ def region(
             f"remat_dist.region(fn, {name!r}, recompute=...): recompute must be True "
             f"or False, got {recompute!r} ({type(recompute).__name__})."
         )
-    if collectives not in (None, "replay", "save"):
-        raise RematUsageError(
-            f"remat_dist.region(fn, {name!r}, collectives=...): must be None, 'replay' "
-            f"or 'save', got {collectives!r}."
-        )
-    return _RegionCall(fn, name, recompute, collectives)
+    resolved = resolve(options, f"remat_dist.region(fn, {name!r}, ...)", region=True)
+    return _RegionCall(fn, name, recompute, resolved)
 
 
 def _region_plain(call: _RegionCall, args: tuple[Any, ...], kwargs: dict) -> Any:
@@ -148,7 +147,7 @@ def _region_forward(
         index=len(record.regions),
         parent=None if parent is None else parent.index,
         inside_save=inside_save,
-        collectives=call.collectives,
+        options=call.options,
     )
     record.regions.append(rr)
     record._names.add(qual)

@@ -16,8 +16,14 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
 Without an initialised process group none of it costs anything.
 """
 
+from remat_dist.distributed import _options  # noqa: F401  (declares collectives=)
 from remat_dist.distributed._objects import all_gather_objects
+from remat_dist.distributed._rank_device import rank_device
 from remat_dist.distributed._replay import ledger_of
+from remat_dist.distributed._rng_default import (
+    default_state_hooks,
+    install_default_provider,
+)
 from remat_dist.distributed._step import (
     check_plan_consistency,
     mark_step,
@@ -29,9 +35,6 @@ from remat_dist.distributed.rng import (
     DeviceRNGStateHook,
     DTensorRNGStateHook,
     GeneratorStateHook,
-    default_state_hooks,
-    install_default_provider,
-    rank_device,
 )
 from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 

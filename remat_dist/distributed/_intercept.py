@@ -208,6 +208,7 @@ class _TLS(threading.local):
 _tls = _TLS()
 _graph_task_id = torch._C._current_graph_task_id
 _watch: Callable[[], float | None] | None = None
+_watch_added_key = False
 
 
 def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple[Any, ...]:
@@ -225,17 +226,22 @@ def set_backward_watch(watch: Callable[[], float | None] | None) -> None:
     thread) until it is reset with None; a number it returns becomes that
     collective's timeout (seconds). Also make this thread's collectives reach
     the kernels from now on (the key stays included: the autograd engine hands the
-    thread-local state of the ``backward()`` call to the threads that run it).
+    thread-local state of the ``backward()`` call to the threads that run it);
+    resetting it to None takes the key out again.
 
     A watch must be cheap when it has nothing to do; it is process-wide because
     the engine may run backward on its device threads.
     """
-    global _watch
+    global _watch, _watch_added_key
     if watch is not None:
         if not _installed:
             _install()
         if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
             torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+            _watch_added_key = True
+    elif _watch_added_key and not _tls.stack:
+        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
+        _watch_added_key = False
     _watch = watch
 
 

@@ -135,13 +135,16 @@ def ledger_of(record: CheckpointRecord) -> LedgerState | None:
 def plan_of(record: CheckpointRecord) -> list[Any]:
     """One checkpoint's plan entry: its name, collective mode, and each region's
     decision and collective mode (regions nested in save regions never replay)."""
-    mode = record.options["collectives"]
-    mode = "replay" if mode == "verify" else mode
+    mode = record.options.get("collectives")
     return [
         record.name,
         mode,
         [
-            [r.local_name, "recompute" if r.recompute else "save", r.collectives or mode]
+            [
+                r.local_name,
+                "recompute" if r.recompute else "save",
+                r.options.get("collectives") or mode,
+            ]
             for r in record.regions
             if not r.inside_save
         ],
@@ -153,7 +156,7 @@ class _LedgerObserver:
         if not _step.dist_ready():
             return
         if not replay:
-            mode = record.options["collectives"]
+            mode = record.options.get("collectives")
             early = torch_checkpoint._enable_checkpoint_early_stop is not False
             state = LedgerState(CollectiveLedger(), mode, early_stop=early)
             specs: list[Any] = []
@@ -196,9 +199,10 @@ class _LedgerObserver:
             return
         if region.is_save:
             state._starts[region.index] = len(state.ledger)
-        if region.collectives is not None:
+        mode = region.options.get("collectives")
+        if mode is not None:
             state._keep.append(state._recorder.keep_outputs)
-            state._recorder.keep_outputs = region.collectives == "save"
+            state._recorder.keep_outputs = mode == "save"
 
     def on_region_end(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
@@ -209,7 +213,7 @@ class _LedgerObserver:
         start = state._starts.pop(region.index, None)
         if start is not None and len(state.ledger) > start:
             state.spans[region.index] = (start, len(state.ledger))
-        if region.collectives is not None:
+        if region.options.get("collectives") is not None:
             state._recorder.keep_outputs = state._keep.pop()
 
     def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:

@@ -342,7 +342,7 @@ def add_inputs(
     out: CheckpointBreakdown, record: CheckpointRecord, ledger: Ledger
 ) -> None:
     """Count ``record``'s tensor inputs (kept by the checkpoint so replay can start)."""
-    user_hook = record.options.get("saved_tensors_hooks") is not None
+    user_hook = record.options.saved_tensors_hooks is not None
     rows = _entry_rows(
         list(record.input_entries), f"{out.name} inputs", ledger, {}, {}, "input {i}"
     )
