@@ -19,6 +19,7 @@ Without an initialised process group none of it costs anything.
 from remat_dist.distributed import _options  # noqa: F401  (declares collectives=)
 from remat_dist.distributed._objects import all_gather_objects
 from remat_dist.distributed._rank_device import rank_device
+from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._replay import ledger_of
 from remat_dist.distributed._rng_default import (
     default_state_hooks,
@@ -42,6 +43,7 @@ install_default_provider()
 
 __all__ = [
     "all_gather_objects",
+    "dist_ready",
     "CollectiveReplayError",
     "PlanMismatchError",
     "check_plan_consistency",

@@ -24,6 +24,7 @@ from remat_dist.distributed._optable import (
     _spec_for,
     describe_signature,
 )
+from remat_dist.distributed._ready import dist_ready
 
 __all__ = [
     "CollectiveCall",
@@ -124,19 +125,6 @@ _TLS_TOGGLED = True  # False: always reached (BackendSelect), check the stack
 _AFTER: Any = None  # keyset of the keys below ours
 _LIBS: list[Any] = []
 _SPECS: dict[str, _OpSpec] = {}
-_AVAILABLE: bool | None = None
-
-
-def _dist_available() -> bool:
-    global _AVAILABLE
-    if _AVAILABLE is None:
-        try:
-            import torch.distributed as dist
-
-            _AVAILABLE = bool(dist.is_available())
-        except Exception:
-            _AVAILABLE = False
-    return _AVAILABLE
 
 
 def _choose_key() -> tuple[str, bool]:
@@ -303,12 +291,7 @@ def observe_collectives(observer: CollectiveObserver) -> Iterator[CollectiveObse
     ``issue()`` hands the call to the next one out. Without ``torch.distributed``
     (or before it is initialised) this only runs the block.
     """
-    if not _dist_available():
-        yield observer
-        return
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
+    if not dist_ready():
         yield observer
         return
     if not _installed:

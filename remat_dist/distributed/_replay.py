@@ -36,6 +36,7 @@ from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
 from remat_dist.distributed._intercept import CollectiveCall, observe_collectives
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
+from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._verify import (
     RecordCollectives,
     ServeCollectives,
@@ -153,7 +154,7 @@ def plan_of(record: CheckpointRecord) -> list[Any]:
 
 class _LedgerObserver:
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
-        if not _step.dist_ready():
+        if not dist_ready():
             return
         if not replay:
             mode = record.options.get("collectives")

@@ -15,6 +15,7 @@ import torch
 
 from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
 from remat_dist.distributed._rank_device import accelerator_type, rank_device
+from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed.rng import (
     CPURNGStateHook,
     DeviceRNGStateHook,
@@ -51,10 +52,10 @@ _provider_cache: dict[torch.device, tuple[RecomputeStateHook, ...]] = {}
 
 
 def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
+    if not dist_ready():
+        return _single_process_hooks()
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return _single_process_hooks()
     # A group whose only backend is gloo is a CPU run, also on a machine with an
     # accelerator (the test harness, CPU launches). The hooks hold no per-call
     # state: reuse one set per device (resolved per call, so a set_device after

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from remat_dist.distributed._intercept import set_backward_watch
+from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._store_round import RoundTimeout, StoreRound
 from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
@@ -377,13 +378,6 @@ def current_step() -> StepAgreement:
     if step is None or step.group is not world:
         step = _steps[key] = StepAgreement(world)
     return step
-
-
-def dist_ready() -> bool:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def mark_step() -> None:

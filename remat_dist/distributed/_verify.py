@@ -30,6 +30,7 @@ from remat_dist.distributed._intercept import (
     _work_of,
 )
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
+from remat_dist.distributed._ready import this_rank
 from remat_dist.errors import CollectiveReplayError
 
 __all__ = [
@@ -95,11 +96,6 @@ class RecordCollectives:
         return result
 
 
-def _rank_default() -> int | None:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-
-
 _FIX = (
     "A replay must issue the collectives its forward issued, in the same order, "
     "groups, shapes and dtypes, on every rank: keep the checkpointed function's "
@@ -132,7 +128,7 @@ class VerifyCollectives:
     ) -> None:
         self.expected = list(expected)
         self.label = label
-        self.rank = _rank_default() if rank is None else rank
+        self.rank = this_rank() if rank is None else rank
         self.op_timeout = op_timeout
         self.forward_total = len(self.expected) if forward_total is None else forward_total
         self.position = 0

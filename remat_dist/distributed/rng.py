@@ -39,6 +39,7 @@ from remat_dist.distributed._rank_device import (
     current_index,
     rank_device,
 )
+from remat_dist.distributed._ready import dist_ready
 
 __all__ = [
     "PHILOX_SNAPSHOT_NBYTES",
@@ -375,10 +376,10 @@ class DTensorRNGStateHook:
 
 def _would_be_tracker_device(acc: str) -> torch.device:
     """The device DTensor's tracker will pick once created: ``rank % device_count``."""
+    if not dist_ready():
+        return torch.device(acc, current_index(acc))
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device(acc, current_index(acc))
     module = torch.get_device_module(acc)
     count_fn = getattr(module, "device_count", None)
     count = max(1, count_fn() if callable(count_fn) else 1)

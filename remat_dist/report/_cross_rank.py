@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat_dist.distributed import all_gather_objects
+from remat_dist.distributed import all_gather_objects, dist_ready
 from remat_dist.report._format import compress_ints, compress_names, format_bytes, table
 
 __all__ = [
@@ -379,7 +379,7 @@ def gather_saved_tensors_report(
     from remat_dist.report._saved import saved_tensors_summary
 
     summary = saved_tensors_summary(*roots)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not dist_ready():
         summary["rank"] = 0
         return aggregate_summaries([summary])
     summary["rank"] = dist.get_rank()
