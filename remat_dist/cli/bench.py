@@ -313,17 +313,18 @@ def _live_tensor_bytes() -> int:
     import gc
     import warnings
 
-    seen: dict[int, int] = {}
+    from remat_dist.core import storage_key, storage_nbytes
+
+    seen: dict[Any, int] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance on deprecated module proxies
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     for obj in objects:
         if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
             try:
-                s = obj.untyped_storage()
+                seen[storage_key(obj)] = storage_nbytes(obj)
             except (RuntimeError, NotImplementedError):
                 continue
-            seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
 

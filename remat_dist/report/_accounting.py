@@ -313,11 +313,7 @@ def breakdown_checkpoint(
     for rr in record.regions:
         if not rr.is_save:
             continue
-        where = (
-            name + rr.name[len(record.name) :]
-            if rr.name.startswith(record.name)
-            else rr.name
-        )
+        where = f"{name}::{rr.local_name}"
         rows = _entry_rows(
             list(rr.saved),
             where,
