@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointPhase",
     "CheckpointRecord",
     "PersistedOutput",
+    "RecordExtension",
     "RegionRecord",
     "SavedEntry",
     "live_records",
@@ -227,6 +228,16 @@ _live: weakref.WeakSet[CheckpointRecord] = weakref.WeakSet()
 def live_records() -> list[CheckpointRecord]:
     """Every record whose autograd graph is still alive (weakly tracked)."""
     return list(_live)
+
+
+class RecordExtension(Protocol):
+    """What a layer above may keep on a record (``record.extensions[key]``) and
+    must let reports count: every report sums :meth:`kept_tensors`."""
+
+    def kept_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(label, tensor)`` for each tensor this extension keeps alive for the
+        checkpoint's backward (e.g. collective outputs served on replay)."""
+        ...
 
 
 class CheckpointObserver(Protocol):

@@ -98,6 +98,16 @@ class LedgerState:
     _starts: dict[int, int] = field(default_factory=dict)
     _keep: list[bool] = field(default_factory=list)
 
+    def kept_tensors(self) -> list[tuple[str, Any]]:
+        """The collective outputs kept for comm-free replay (``RecordExtension``:
+        reports count them)."""
+        return [
+            (f"{e.op} #{e.position} output (kept for comm-free replay)", t)
+            for e in self.ledger.entries
+            if e.kept is not None
+            for t in e.kept
+        ]
+
     def replay_plan(self, forward_packs: int) -> list[CollectiveEntry]:
         """The collectives a replay issues, in order: the forward's, minus those of
         skipped save regions, up to torch's early stop at the last saved tensor."""

@@ -292,6 +292,26 @@ def _persisted_rows(rr: RegionRecord, ledger: Ledger, where: str) -> list[Storag
     return rows
 
 
+def _extension_rows(record: CheckpointRecord, ledger: Ledger, where: str) -> list[StorageRow]:
+    """Rows for what the layers above keep on the record (``RecordExtension``):
+    collective outputs of comm-free replay, say."""
+    rows: list[StorageRow] = []
+    for ext in record.extensions.values():
+        kept = getattr(ext, "kept_tensors", None)
+        if kept is None:
+            continue
+        for label, t in kept():
+            for key, nbytes, tensor in tensor_storages(t):
+                counted, before = ledger.claim(key, nbytes, where, parameter=False)
+                rows.append(
+                    StorageRow(
+                        counted, nbytes, label, tuple(t.shape), t.dtype,
+                        tensor.device, False, before, tensor,
+                    )
+                )
+    return rows
+
+
 def breakdown_checkpoint(
     record: CheckpointRecord,
     name: str,
@@ -329,6 +349,9 @@ def breakdown_checkpoint(
         )
         out.regions.append(region)
         out.user_hook_bytes += sum(r.nbytes for r in region.rows if r.user_hook)
+    kept = _extension_rows(record, ledger, f"{name}::kept")
+    if kept:
+        out.regions.append(RegionBreakdown(name=f"{name}::kept", local_name="kept", rows=kept))
     if with_inputs:
         add_inputs(out, record, ledger)
     return out

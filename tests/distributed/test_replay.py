@@ -169,3 +169,38 @@ def test_all_gather_objects_without_numpy(ctx: DistContext):
         sys.modules["numpy"] = saved  # type: ignore[assignment]
     assert [g["rank"] for g in got] == [0, 1]
     assert [len(g["pad"]) for g in got] == [10, 1010]
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_reports_count_collective_outputs_kept_for_comm_free_replay(ctx: DistContext):
+    # collectives="save" keeps each collective's output on the record: every
+    # report counts those bytes (the ledger's own record extension), on top of
+    # what autograd saves (an independent count of the saved tensors).
+    from remat_dist.report import (
+        build_saved_tensors_report,
+        format_saved_tensors_report,
+        saved_tensors_summary,
+    )
+    from remat_dist.testing import SavedBytesCounter
+
+    tokens, targets = make_batch(CONFIG, 4, seed=3)
+    totals = {}
+    for mode in ("replay", "save"):
+        model = _tp_gpt(ctx.mesh, "full", mode)
+        with SavedBytesCounter(model.parameters()) as counter:
+            before = {id(r) for r in live_records()}
+            loss = model.loss(tokens, targets)
+        mine = [r for r in live_records() if id(r) not in before]
+        kept = sum(ledger_of(r).ledger.kept_nbytes for r in mine)
+        report = build_saved_tensors_report(loss)
+        summary = saved_tensors_summary(loss)
+        assert report.total_bytes == counter.activation_bytes + kept
+        assert summary["total_bytes"] == report.total_bytes
+        text = format_saved_tensors_report(loss)
+        assert ("kept for comm-free replay" in text) == (mode == "save"), text
+        totals[mode] = (report.total_bytes, kept)
+        loss.backward()
+    # 3 blocks x 2 row-wise all-reduce outputs of (4, 16, 32) float32 each
+    assert totals["save"][1] == 3 * 2 * 4 * CONFIG.seq_len * CONFIG.dim * 4
+    assert totals["replay"][1] == 0
+    assert totals["save"][0] == totals["replay"][0] + totals["save"][1]
