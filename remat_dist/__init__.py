@@ -1,6 +1,6 @@
 """remat_dist: activation checkpointing that is aware of distributed training.
 
-``import remat_dist as remat`` gives the whole public API (see design/API.md):
+``import remat_dist as remat`` gives the whole public API (docs/api.md lists it):
 torch_remat's region model (``checkpoint``, ``region``, ``recompute_needs_tensor``,
 ...), RETURNN's ``gradient_checkpoint_scope``, and the rank-aware pieces from
 ``remat_dist.distributed`` re-exported here. This package is the composition root:
@@ -8,6 +8,7 @@ importing it attaches the distributed layer to the core (the core itself install
 nothing).
 """
 
+import remat_dist._logging  # noqa: F401  (quiet by default; REMAT_DIST_LOG=info)
 import remat_dist.distributed as _distributed
 from remat_dist.core import (
     RecomputeStateHook,

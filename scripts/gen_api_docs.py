@@ -1,7 +1,7 @@
 """Generate docs/api.md from the docstrings: `python scripts/gen_api_docs.py [--check]`.
 
 One section per layer, one entry per public name (signature and docstring), in the
-order of design/API.md. ``--check`` exits 1 when docs/api.md is stale (the test
+order of the API contract. ``--check`` exits 1 when docs/api.md is stale (the test
 suite runs it).
 """
 
@@ -111,8 +111,9 @@ def render() -> str:
         "",
         "Generated from the docstrings by `scripts/gen_api_docs.py` (the test suite",
         "checks it is current). Everything is importable from the top level:",
-        "`import remat_dist as remat`. The contract is `design/API.md`; the mental",
-        "model is in [mental_model.md](mental_model.md).",
+        "`import remat_dist as remat`. The names here are the product's promise (the",
+        "sections follow the API contract); the mental model is in",
+        "[mental_model.md](mental_model.md), the layers in [architecture.md](architecture.md).",
         "",
     ]
     listed = set()

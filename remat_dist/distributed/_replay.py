@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from remat_dist._logging import get_logger
 from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
 from remat_dist.distributed._intercept import CollectiveCall, observe_collectives
@@ -45,6 +46,8 @@ from remat_dist.distributed._verify import (
 )
 
 __all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
+
+log = get_logger(__name__)
 
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
@@ -189,6 +192,13 @@ class _LedgerObserver:
         _step.current_step().replay_starts()
         expected = state.replay_plan(len(record.pack_specs or ()))
         served = any(e.kept is not None for e in expected)
+        if log.isEnabledFor(10):  # DEBUG
+            log.debug(
+                "replay of '%s': %d of the forward's %d collectives (%d served)%s",
+                record.name, len(expected), len(state.ledger),
+                sum(e.kept is not None for e in expected),
+                "".join(f"\n  #{e.position}: {e.describe()}" for e in expected),
+            )
         cls = ServeCollectives if served else VerifyCollectives
         counts = {"issued": 0, "served": 0, "fsdp": 0}
         state.replays.append(counts)
@@ -232,7 +242,12 @@ class _LedgerObserver:
         observer = None if state is None else state._observer
         if observer is None or is_comm_failure(error):
             return False
-        _step.current_step().fail(observer.fail(error))
+        message = observer.fail(error)
+        log.warning(
+            "replay of '%s' failed here; its peers were released and every rank "
+            "raises at backward's end: %s", record.name, message,
+        )
+        _step.current_step().fail(message)
         return True
 
     def on_checkpoint_end(

@@ -30,12 +30,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import logging
 import threading
 from typing import Any
 
 import torch
 
+from remat_dist._logging import get_logger
 from remat_dist.distributed._intercept import set_backward_watch
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._store_round import RoundTimeout, StoreRound
@@ -43,7 +43,7 @@ from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
 __all__ = ["StepAgreement", "current_step", "mark_step", "set_replay_timeout"]
 
-log = logging.getLogger("remat_dist.distributed")
+log = get_logger(__name__)
 
 REPLAY_TIMEOUT_S = 20.0
 """Default bound (seconds) for a store round and for each replayed collective."""
@@ -176,19 +176,25 @@ class StepAgreement:
                 explained = self.round.exchange(payload, timeout=_timeout)
         except RoundTimeout as t:
             self.phase = StepPhase.IDLE
-            raise PlanMismatchError(_timeout_text(self, t, f"the plan agreement ({where})")) from None
+            text = _timeout_text(self, t, f"the plan agreement ({where})")
+            log.error("%s", text)
+            raise PlanMismatchError(text) from None
         except BaseException:
             self.phase = StepPhase.IDLE
             raise
-        log.info(
-            "rank %d: step plan agreed at %s in %.2f ms (%d store requests so far)",
-            self.rank, where, self.round.last_round_s * 1e3, self.round.requests,
-        )
         if verdict is None:
+            log.info(
+                "step %d: plan agreed at %s (%d checkpoints) in %.2f ms; %d store "
+                "requests by this rank so far",
+                self.steps, where, len(head), self.round.last_round_s * 1e3,
+                self.round.requests,
+            )
             return
         self.phase = StepPhase.IDLE
         plans = {r: json.loads(v) for r, v in (explained or {}).items()}
-        raise PlanMismatchError(_explain(plans))
+        text = _explain(plans)
+        log.error("step %d: %s", self.steps, text)
+        raise PlanMismatchError(text)
 
     # -- failures and the report
     def fail(self, message: str) -> None:
@@ -206,7 +212,13 @@ class StepAgreement:
         try:
             verdict = self.round.report(failure, timeout=_timeout)
         except RoundTimeout as t:
-            raise CollectiveReplayError(_timeout_text(self, t, "the end of backward")) from None
+            text = _timeout_text(self, t, "the end of backward")
+            log.error("%s", text)
+            raise CollectiveReplayError(text) from None
+        log.debug(
+            "end-of-backward report in %.2f ms: %s",
+            self.round.last_round_s * 1e3, "ok" if verdict is None else sorted(verdict),
+        )
         if verdict is None:
             return
         failed = sorted(verdict)
@@ -217,6 +229,7 @@ class StepAgreement:
             f"do not step the optimizer).\n{reports}"
         )
         err.failed_ranks = failed  # type: ignore[attr-defined]
+        log.error("%s", err)
         raise err
 
     def _settle_stale(self) -> None:

@@ -453,3 +453,54 @@ def test_verify_plan_is_deprecated_and_costs_nothing_in_forward(ctx: DistContext
     assert current_step().round.seq == before  # no store round in forward
     y.sum().backward()
     assert current_step().round.seq == before + 2  # the step's agreement and report
+
+
+# --- logging: quiet by default, rank-prefixed, one line per agreement
+
+
+@distributed(world_size=2)
+def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: DistContext):
+    import logging
+
+    lines: list[tuple[int, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("remat_dist")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        remat.checkpoint(region_name="log_blk")(lambda t: t.sin().cos())(x).sum().backward()
+        name = "log_a" if ctx.rank == 0 else "log_b"
+        y = remat.checkpoint(region_name=name)(lambda t: t.sin().cos())(x)
+        with pytest.raises(remat.PlanMismatchError):
+            y.sum().backward()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    prefix = f"[rank {ctx.rank}] "
+    assert all(text.startswith(prefix) for _, text in lines), lines
+    agreed = [t for lv, t in lines if lv == logging.INFO and "plan agreed at backward" in t]
+    assert len(agreed) == 1 and " ms" in agreed[0], lines
+    errors = [t for lv, t in lines if lv == logging.ERROR]
+    assert len(errors) == 1 and "log_b" in errors[0], lines
+
+
+def test_remat_dist_log_env_turns_logging_on():
+    import subprocess
+    import sys
+
+    code = "import logging, remat_dist; logging.getLogger('remat_dist.x').info('hello')"
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    loud = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "REMAT_DIST_LOG": "info"},
+    )
+    assert "hello" not in quiet.stderr
+    assert "remat_dist.x INFO: hello" in loud.stderr, loud.stderr
