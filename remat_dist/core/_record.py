@@ -282,7 +282,7 @@ class _ObserverHandle:
             _observers.remove(self._observer)
 
 
-def register_observer(observer: Any) -> _ObserverHandle:
+def register_observer(observer: CheckpointObserver) -> _ObserverHandle:
     """Attach ``observer`` (a :class:`CheckpointObserver`) to every checkpoint in
     this process; returns a handle whose ``remove()`` detaches it."""
     _observers.append(observer)
