@@ -3,7 +3,8 @@
 Every byte is counted once per storage, in the first place it is found. The saved
 tensors report claims storages in this order: each checkpoint's save regions (in
 forward order, each region's saves, then its outputs kept for replay), then the
-checkpoints' inputs, then the saves of nodes outside every checkpoint. A storage
+checkpoints' inputs (remat_dist's and ``torch.utils.checkpoint``'s, in forward
+order), then the saves of nodes outside every checkpoint. A storage
 found again later is still listed where it appears, its size in parentheses and a
 note naming where it was counted (it adds 0 B there).
 
@@ -26,6 +27,7 @@ from remat_dist.core import CheckpointRecord, RegionRecord, SavedEntry
 from remat_dist.report._format import format_bytes, plural, table
 from remat_dist.report._graph import (
     StorageKey,
+    TorchCheckpointFrame,
     is_parameter_tensor,
     packed_tensors,
     tensor_storages,
@@ -38,8 +40,13 @@ __all__ = [
     "RegionBreakdown",
     "StorageRow",
     "breakdown_checkpoint",
+    "breakdown_torch_checkpoint",
     "format_checkpoint_detail",
 ]
+
+TORCH_CHECKPOINT = "torch.utils.checkpoint"
+"""The ``kind`` of a :class:`CheckpointBreakdown` made from a call of torch's
+non-reentrant checkpoint (``checkpoint_wrapper`` included)."""
 
 Annotate = Callable[[torch.Tensor], "str | None"]
 """Maps a saved tensor to a short label (allocation site, ...), or None."""
@@ -158,6 +165,11 @@ class CheckpointBreakdown:
     regions: list[RegionBreakdown] = field(default_factory=list)
     inputs: list[StorageRow] = field(default_factory=list)
     user_hook_bytes: int = 0
+    kind: str = "remat_dist"
+    """``"remat_dist"`` or :data:`TORCH_CHECKPOINT` (no save regions: its forward's
+    saves are recomputed; it keeps its inputs)."""
+    recompute_handles: int = 0
+    """For a torch checkpoint: its saves packed as recompute handles (0 B each)."""
 
     @property
     def nbytes(self) -> int:
@@ -369,6 +381,38 @@ def add_inputs(
         r.user_hook = r.user_hook or user_hook
     out.inputs = rows
     out.user_hook_bytes += sum(r.nbytes for r in rows if r.user_hook)
+
+
+def breakdown_torch_checkpoint(
+    frame: TorchCheckpointFrame, name: str, ledger: Ledger
+) -> CheckpointBreakdown:
+    """Count what one ``torch.utils.checkpoint`` call keeps: its inputs (the tensors
+    its forward saved are recomputed on backward and cost nothing until then)."""
+    out = CheckpointBreakdown(
+        name=name,
+        record_name=TORCH_CHECKPOINT,
+        kind=TORCH_CHECKPOINT,
+        recompute_handles=frame.recompute_handles,
+    )
+    where = f"{name} inputs"
+    rows: dict[StorageKey, StorageRow] = {}
+    for i, t, user_hook in frame.inputs():
+        for key, nbytes, plain in tensor_storages(t):
+            row = rows.get(key)
+            if row is not None:  # another input on the same storage: one row
+                if f"input {i}" not in row.label:
+                    row.label += f", input {i}"
+                continue
+            counted, before = ledger.claim(
+                key, nbytes, where, parameter=is_parameter_tensor(t)
+            )
+            rows[key] = StorageRow(
+                counted, nbytes, f"input {i}", tuple(t.shape), t.dtype,
+                plain.device, user_hook, before, plain,
+            )
+    out.inputs = list(rows.values())
+    out.user_hook_bytes = sum(r.nbytes for r in out.inputs if r.user_hook)
+    return out
 
 
 def format_checkpoint_detail(

@@ -11,6 +11,11 @@ storage counted once however many views of it were saved::
       16 B  probs  (4,)  float32
     layers.0 inputs: 48 B in 1 storage (kept so that replay can start)
       48 B  input 0  (3, 4)  float32
+
+Inside a plain ``torch.utils.checkpoint`` (non-reentrant, ``checkpoint_wrapper``
+included) it reports that checkpoint instead: it keeps its inputs, and the saves of
+its forward so far are recompute handles that cost nothing until backward. It has
+no save regions, so the report has none.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from typing import IO
 
 from remat_dist.core import current_frame
 from remat_dist.report._accounting import (
+    TORCH_CHECKPOINT,
     Annotate,
     Ledger,
     breakdown_checkpoint,
+    breakdown_torch_checkpoint,
     format_checkpoint_detail,
 )
+from remat_dist.report._graph import running_torch_checkpoint
 
 __all__ = ["format_current_memory_report", "print_current_memory_report"]
 
@@ -45,6 +53,15 @@ def format_current_memory_report(
     """
     record = current_frame()
     if record is None:
+        frame = running_torch_checkpoint()
+        if frame is not None:
+            cp = breakdown_torch_checkpoint(frame, TORCH_CHECKPOINT, Ledger())
+            lines = format_checkpoint_detail(cp, annotate, inputs=inputs)
+            lines[0] = (
+                f"{TORCH_CHECKPOINT}: 0 B resident ({frame.recompute_handles} saves "
+                "so far are recompute handles)"
+            )
+            return "\n".join(lines)
         return (
             "no checkpoint is running (format_current_memory_report reports the "
             "checkpoint whose forward calls it)"

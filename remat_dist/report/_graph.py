@@ -8,6 +8,13 @@ the tensors they wrap (for a ``DTensor``: this rank's local shard).
 The walk reads each node's saved tensors through ``node._raw_saved_<name>`` and
 ``SavedTensor.data``, which gives the packed object *without* unpacking it: calling
 ``node._saved_<name>`` on a node inside a checkpoint would start a recompute.
+
+``torch.utils.checkpoint`` (non-reentrant, also under ``checkpoint_wrapper``) packs
+every save of its forward into a ``_Holder`` (a recompute handle: nothing kept) and
+keeps its inputs on its ``_CheckpointFrame`` (``saved_args``), which only the unpack
+hook of those saves refers to. The walk finds each frame through
+``SavedTensor.unpack_hook`` of a holder and reports it as a
+:class:`TorchCheckpointFrame`: what torch keeps for backward are its inputs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from remat_dist.core import (
 __all__ = [
     "GraphScan",
     "OutsideSave",
+    "TorchCheckpointFrame",
+    "running_torch_checkpoint",
     "StorageKey",
     "is_parameter_tensor",
     "packed_tensors",
@@ -43,6 +52,10 @@ try:  # the packed stand-in of tensors torch's checkpoint will recompute
     from torch.utils.checkpoint import _Holder as _TorchHolder
 except ImportError:  # pragma: no cover - older or newer torch
     _TorchHolder = None  # type: ignore[assignment,misc]
+try:  # what torch's non-reentrant checkpoint keeps per call: recompute fn, inputs
+    from torch.utils.checkpoint import _CheckpointFrame as _TorchFrame
+except ImportError:  # pragma: no cover - older or newer torch
+    _TorchFrame = None  # type: ignore[assignment,misc]
 
 
 def _plain_tensors(t: torch.Tensor, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -135,6 +148,115 @@ class GraphScan:
     scopes: dict[int, Any] = field(default_factory=dict)
     """``gradient_checkpoint_scope`` records whose recompute handles are on the
     graph (their tensors are recomputed: only the scope's own state is kept)."""
+    record_seqs: list[int] = field(default_factory=list)
+    """Forward position (lowest ``_sequence_nr``) of each of :attr:`records`."""
+    torch_frames: list[TorchCheckpointFrame] = field(default_factory=list)
+    """``torch.utils.checkpoint`` calls whose handles are on the graph, in forward
+    order (their handles are also in :attr:`recompute_handles`)."""
+
+
+@dataclass
+class TorchCheckpointFrame:
+    """One ``torch.utils.checkpoint`` call (non-reentrant) found on the graph.
+
+    Its forward's saves are recompute handles (they cost nothing until backward);
+    what it keeps are its inputs, on the frame, so that recompute can start.
+    """
+
+    frame: Any
+    seq: int
+    """Lowest ``_sequence_nr`` of the nodes holding its handles (forward order)."""
+    recompute_handles: int = 0
+
+    def inputs(self) -> list[tuple[int, torch.Tensor, bool]]:
+        """``(argument index, tensor, packed by a user hook)`` for what the frame
+        keeps of its tensor inputs. Inputs packed by an enclosing checkpoint into a
+        recompute stand-in (torch's holder, a scope handle) cost nothing here."""
+        out: list[tuple[int, torch.Tensor, bool]] = []
+        for i, arg in enumerate(getattr(self.frame, "saved_args", ())):
+            try:
+                data = arg.data
+            except (RuntimeError, AttributeError):
+                continue
+            if data is None or (_TorchHolder is not None and isinstance(data, _TorchHolder)):
+                continue
+            if isinstance(data, torch.Tensor):
+                out.append((i, data, False))
+                continue
+            packed = classify_packed(data)
+            if packed is None:
+                out.extend((i, t, True) for t in packed_tensors(data))
+            elif packed[0] is PackedKind.REGION_KEPT:
+                out.append((i, packed[1], False))
+            elif packed[0] is PackedKind.REGION_USER_PACKED:
+                out.extend((i, t, True) for t in packed_tensors(packed[1]))
+        return out
+
+
+def _torch_frame_of(saved: Any) -> Any:
+    """The ``_CheckpointFrame`` whose unpack hook ``saved`` (a ``SavedTensor``
+    holding a torch ``_Holder``) carries, found in the hook's closure; or None."""
+    if _TorchFrame is None:
+        return None
+    try:
+        hook = saved.unpack_hook
+    except (RuntimeError, AttributeError):
+        return None
+    todo, depth = [hook], 0
+    while todo and depth < 3:
+        nxt = []
+        for fn in todo:
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(value, _TorchFrame):
+                    return value
+                if callable(value) and getattr(value, "__closure__", None):
+                    nxt.append(value)
+        todo, depth = nxt, depth + 1
+    return None
+
+
+def running_torch_checkpoint() -> TorchCheckpointFrame | None:
+    """The ``torch.utils.checkpoint`` whose forward is running here, if torch's
+    checkpoint hook is the innermost saved-tensors hook (read from the pack hook's
+    closure); None otherwise, and for the frames ``remat_dist.checkpoint`` runs on.
+    ``recompute_handles`` is the number of its forward's saves so far."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - other torch
+        return None
+    if not top:
+        return None
+    frame = None
+    for cell in getattr(top[0], "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if _TorchFrame is not None and isinstance(value, _TorchFrame):
+            frame = value
+    if frame is None or _is_remat_frame(frame):
+        return None
+    handles = sum(1 for ref in frame.weak_holders if ref() is not None)
+    return TorchCheckpointFrame(frame, 0, handles)
+
+
+def _is_remat_frame(frame: Any) -> bool:
+    """``remat_dist.checkpoint`` runs on torch's checkpoint: its frame's recompute
+    function closes over the replay context, which carries the
+    :class:`CheckpointRecord` (that record reports the checkpoint, inputs included)."""
+    fn = getattr(frame, "recompute_fn", None)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(getattr(value, "record", None), CheckpointRecord):
+            return True
+    return False
 
 
 def root_nodes(roots: Iterable[Any]) -> list[Any]:
@@ -179,8 +301,8 @@ def _saved_attrs(node: Any) -> tuple[str, ...]:
     return attrs
 
 
-def _saved_objects(node: Any) -> Iterator[tuple[str, Any]]:
-    """``(saved name, packed object)`` for each tensor ``node`` saved."""
+def _saved_objects(node: Any) -> Iterator[tuple[str, Any, Any]]:
+    """``(saved name, SavedTensor, packed object)`` for each tensor ``node`` saved."""
     for attr in _saved_attrs(node):
         try:
             value = getattr(node, attr)
@@ -194,7 +316,7 @@ def _saved_objects(node: Any) -> Iterator[tuple[str, Any]]:
             except (RuntimeError, AttributeError):
                 continue
             if data is not None:
-                yield (f"{name}[{i}]" if many else name), data
+                yield (f"{name}[{i}]" if many else name), saved, data
 
 
 def _sequence_nr(node: Any) -> int:
@@ -218,6 +340,9 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
     seen: set[int] = set()
     keep_alive: list[Any] = []
     found: dict[int, tuple[int, CheckpointRecord]] = {}
+    frames: dict[int, TorchCheckpointFrame] = {}
+    remat_frames: set[int] = set()
+    frames_alive: list[Any] = []  # keeps ids unique while the walk runs
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -237,11 +362,23 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
                 for key, _, _ in tensor_storages(variable):
                     scan.parameter_keys.add(key)
         node_type = type(node).__name__
-        for saved_name, data in _saved_objects(node):
+        for saved_name, saved, data in _saved_objects(node):
             if isinstance(data, torch.Tensor):
                 scan.outside.append(OutsideSave(node_type, index, data, False))
             elif _TorchHolder is not None and isinstance(data, _TorchHolder):
                 scan.recompute_handles += 1
+                frame = _torch_frame_of(saved)
+                frames_alive.append(frame)
+                if frame is not None and id(frame) not in remat_frames:
+                    seq = _sequence_nr(node)
+                    tf = frames.get(id(frame))
+                    if tf is None:
+                        if _is_remat_frame(frame):
+                            remat_frames.add(id(frame))
+                            continue
+                        tf = frames[id(frame)] = TorchCheckpointFrame(frame, seq)
+                    tf.seq = min(tf.seq, seq)
+                    tf.recompute_handles += 1
             elif (packed := classify_packed(data)) is None:
                 for t in packed_tensors(data):
                     scan.outside.append(OutsideSave(node_type, index, t, True))
@@ -259,5 +396,8 @@ def scan_graph(roots: Iterable[Any]) -> GraphScan:
         for next_node, _ in getattr(node, "next_functions", ()):
             if next_node is not None and id(next_node) not in seen:
                 stack.append(next_node)
-    scan.records = [rec for _, rec in sorted(found.values(), key=lambda x: x[0])]
+    ordered = sorted(found.values(), key=lambda x: x[0])
+    scan.records = [rec for _, rec in ordered]
+    scan.record_seqs = [seq for seq, _ in ordered]
+    scan.torch_frames = sorted(frames.values(), key=lambda f: f.seq)
     return scan

@@ -10,6 +10,11 @@ counts, per storage and each storage once:
   often the largest cost);
 * what nodes outside every checkpoint save, per autograd node type.
 
+Calls of ``torch.utils.checkpoint`` (non-reentrant, ``checkpoint_wrapper``
+included) are regions too, named ``torch.utils.checkpoint.<i>`` in forward order:
+their forward's saves are recomputed (recompute handles, 0 B), so what they keep
+is their inputs, counted with the checkpoint inputs and labelled as torch's.
+
 Tensors the checkpoint will recompute cost nothing until backward. A ``DTensor``
 counts its local shard. Parameters are not activations: they are excluded from
 the totals and shown on one line. Saves packed by a user pack hook are counted at
@@ -28,12 +33,14 @@ from typing import IO, Any
 import torch
 
 from remat_dist.report._accounting import (
+    TORCH_CHECKPOINT,
     Annotate,
     CheckpointBreakdown,
     Ledger,
     StorageRow,
     add_inputs,
     breakdown_checkpoint,
+    breakdown_torch_checkpoint,
     format_checkpoint_detail,
 )
 from remat_dist.report._format import compress_names, format_bytes, plural, table
@@ -120,6 +127,16 @@ class SavedTensorsReport:
         return sum(cp.input_bytes for cp in self.checkpoints)
 
     @property
+    def torch_checkpoints(self) -> list[CheckpointBreakdown]:
+        """The ``torch.utils.checkpoint`` calls among :attr:`checkpoints`."""
+        return [cp for cp in self.checkpoints if cp.kind == TORCH_CHECKPOINT]
+
+    @property
+    def torch_checkpoint_input_bytes(self) -> int:
+        """The part of :attr:`checkpoint_input_bytes` kept by torch's checkpoint."""
+        return sum(cp.input_bytes for cp in self.torch_checkpoints)
+
+    @property
     def outside_regions_bytes(self) -> int:
         return sum(g.nbytes for g in self.outside)
 
@@ -146,15 +163,14 @@ class SavedTensorsReport:
             "checkpoint_input_bytes": self.checkpoint_input_bytes,
             "parameter_bytes": self.parameter_bytes,
             "user_hook_bytes": self.user_hook_bytes,
-            "regions": [
-                {
-                    "name": cp.name,
-                    "bytes": cp.nbytes,
-                    "storages": cp.storages,
-                    "input_bytes": cp.input_bytes,
-                }
-                for cp in self.checkpoints
-            ],
+            "regions": [_region_summary(cp) for cp in self.checkpoints],
+            "torch_checkpoint": {
+                "regions": len(self.torch_checkpoints),
+                "input_bytes": self.torch_checkpoint_input_bytes,
+                "recompute_handles": sum(
+                    cp.recompute_handles for cp in self.torch_checkpoints
+                ),
+            },
             "outside": [
                 {"node_type": g.node_type, "bytes": g.nbytes, "nodes": len(g.nodes)}
                 for g in self.outside
@@ -175,11 +191,21 @@ class SavedTensorsReport:
                 f"of which packed by user hooks: {format_bytes(self.user_hook_bytes)} "
                 "(size before packing)"
             )
+        torch_cps = self.torch_checkpoints
+        if torch_cps:
+            lines.append(
+                f"of which torch.utils.checkpoint inputs: "
+                f"{format_bytes(self.torch_checkpoint_input_bytes)} in "
+                f"{plural(sum(cp.input_storages for cp in torch_cps), 'storage')} "
+                f"({plural(len(torch_cps), 'region')}; their forward saves are "
+                f"{sum(cp.recompute_handles for cp in torch_cps)} recompute handles, "
+                "0 B until backward)"
+            )
         lines.append(
             f"parameters saved (not counted above): {format_bytes(self.parameter_bytes)} in "
             f"{plural(self.parameter_storages, 'storage')}"
         )
-        region_groups = _group(self.checkpoints, lambda cp: cp.signature())
+        region_groups = _group(self.checkpoints, lambda cp: (cp.kind, cp.signature()))
         if self.checkpoints:
             lines += ["", "regions:"]
             lines += _group_rows(region_groups, lambda cp: (cp.nbytes, cp.storages))
@@ -189,7 +215,7 @@ class SavedTensorsReport:
                 f"{plural(sum(cp.input_storages for cp in self.checkpoints), 'storage')}",
             ]
             lines += _group_rows(
-                _group(self.checkpoints, lambda cp: cp.input_signature()),
+                _group(self.checkpoints, lambda cp: (cp.kind, cp.input_signature())),
                 lambda cp: (cp.input_bytes, cp.input_storages),
             )
         shown = [g for g in self.outside if g.nbytes]
@@ -209,7 +235,9 @@ class SavedTensorsReport:
                     if "@ " in note:
                         rows.append(["", f"  {size}  {shape}  {dtype}  {note}"])
         lines += table(rows, indent="  ", right=(0,))
-        detailed = [m for m in region_groups if m[0].regions]
+        detailed = [
+            m for m in region_groups if m[0].regions or m[0].kind == TORCH_CHECKPOINT
+        ]
         if detailed:
             lines += ["", "region detail:"]
             for members in detailed:
@@ -218,6 +246,19 @@ class SavedTensorsReport:
                 )
                 lines += format_checkpoint_detail(members[0], annotate, inputs=True)
         return "\n".join(lines)
+
+
+def _region_summary(cp: CheckpointBreakdown) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": cp.name,
+        "bytes": cp.nbytes,
+        "storages": cp.storages,
+        "input_bytes": cp.input_bytes,
+    }
+    if cp.kind == TORCH_CHECKPOINT:  # keys added for torch's checkpoint only
+        d["kind"] = TORCH_CHECKPOINT
+        d["recompute_handles"] = cp.recompute_handles
+    return d
 
 
 def _group(
@@ -261,12 +302,24 @@ def build_saved_tensors_report(*roots: Any) -> SavedTensorsReport:
         for key, _, plain in tensor_storages(t):
             tensors.setdefault(key, plain)
             labels.setdefault(key, []).append(label)
-    checkpoints = [
+    remat_cps = [
         breakdown_checkpoint(record, name, ledger, tensors, labels, with_inputs=False)
         for record, name in zip(scan.records, _unique_names(scan), strict=True)
     ]
-    for cp, record in zip(checkpoints, scan.records, strict=True):
-        add_inputs(cp, record, ledger)
+    # inputs in forward order, remat_dist's and torch.utils.checkpoint's together
+    order: list[tuple[int, int, int]] = [
+        (seq, 0, i) for i, seq in enumerate(scan.record_seqs)
+    ] + [(f.seq, 1, i) for i, f in enumerate(scan.torch_frames)]
+    checkpoints: list[CheckpointBreakdown] = []
+    for _, is_torch, i in sorted(order):
+        if is_torch:
+            name = f"{TORCH_CHECKPOINT}.{i}"
+            checkpoints.append(
+                breakdown_torch_checkpoint(scan.torch_frames[i], name, ledger)
+            )
+        else:
+            add_inputs(remat_cps[i], scan.records[i], ledger)
+            checkpoints.append(remat_cps[i])
     groups: dict[str, OutsideGroup] = {}
     for save in scan.outside:
         parameter = is_parameter_tensor(save.tensor)
@@ -339,9 +392,15 @@ def saved_tensors_summary(*roots: Any) -> dict[str, Any]:
         {"total_bytes", "regions_bytes", "outside_regions_bytes",
          "checkpoint_input_bytes", "parameter_bytes", "user_hook_bytes",
          "regions": [{"name", "bytes", "storages", "input_bytes"}, ...],
-         "outside": [{"node_type", "bytes", "nodes"}, ...]}
+         "outside": [{"node_type", "bytes", "nodes"}, ...],
+         "torch_checkpoint": {"regions", "input_bytes", "recompute_handles"}}
 
     ``regions`` are the checkpoints in forward order; a region's ``bytes`` are what
-    its save regions keep (inputs are in ``input_bytes``).
+    its save regions keep (inputs are in ``input_bytes``). Calls of
+    ``torch.utils.checkpoint`` are regions named ``torch.utils.checkpoint.<i>``
+    with two more keys, ``"kind": "torch.utils.checkpoint"`` and
+    ``"recompute_handles"``; their ``bytes`` are 0 (torch recomputes what their
+    forward saved) and their inputs are also in ``checkpoint_input_bytes``;
+    ``torch_checkpoint`` sums them.
     """
     return build_saved_tensors_report(*roots).summary()
