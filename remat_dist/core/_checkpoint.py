@@ -54,6 +54,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 _DETERMINISM_CHECKS = ("none", "default")
 
 
+class _UnsupportedOption(RematUsageError, NotImplementedError):
+    """``preserve_rng_state=True``: a ``NotImplementedError`` as torch_remat raises
+    (what its users catch), and a ``RematUsageError`` like every other misuse."""
+
+
 def checkpoint(
     fn: Callable[..., Any] | None = None,
     /,
@@ -62,6 +67,7 @@ def checkpoint(
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
     determinism_check: DeterminismCheck = "none",
+    preserve_rng_state: bool = False,
     **options: Any,
 ) -> Callable[[F], F]:
     """Recompute-by-default activation checkpoint: ``checkpoint(**opts)(fn)(*args)``.
@@ -83,6 +89,12 @@ def checkpoint(
             inputs, save-region saves and persisted outputs.
         determinism_check: ``"none"`` or ``"default"`` (torch's metadata check of
             recomputed tensors).
+        preserve_rng_state: ``False`` only, torch_remat's default, accepted so that
+            code written for torch_remat (torchtitan passes it explicitly) runs
+            unchanged. It adds nothing: RNG replays through
+            ``recompute_state_hooks`` (the default set above already keeps it
+            aligned). ``True`` raises ``NotImplementedError`` as in torch_remat
+            (also a ``RematUsageError``), naming the state hooks to pass instead.
         **options: the options the layers above declared
             (``core.declare_option``); ``remat_dist.distributed`` declares
             ``collectives="replay" | "save"`` (re-issue each collective, checked
@@ -97,10 +109,17 @@ def checkpoint(
             "torch.utils.checkpoint.checkpoint(fn, *args) but means something else). "
             "Fix: remat_dist.checkpoint(region_name='layers.0')(fn)(*args, **kwargs)."
         )
-    if "preserve_rng_state" in options:
-        raise RematUsageError(
+    if preserve_rng_state is not False:
+        if not isinstance(preserve_rng_state, bool):
+            raise RematUsageError(
+                f"remat_dist.checkpoint(region_name={where!r}): preserve_rng_state "
+                f"must be False, got {preserve_rng_state!r}. Fix: leave it out; RNG "
+                "replays through recompute_state_hooks."
+            )
+        raise _UnsupportedOption(
             f"remat_dist.checkpoint(region_name={where!r}): preserve_rng_state is not "
-            "supported; RNG and other state are kept aligned by state hooks, "
+            "supported (only False, torch_remat's default, is accepted; torch_remat "
+            "refuses True too). RNG and other state are kept aligned by state hooks, "
             "restored at entry and after every save region. Fix: pass "
             "recompute_state_hooks=remat_dist.distributed.default_state_hooks() (this "
             "rank's device RNG; cpu=True adds the CPU generator) or "

@@ -171,6 +171,7 @@ def _region_forward(
     finally:
         record._stack.pop()
     items, structure = _flatten_output(rr, out)
+    _reject_fresh_leaves(record, rr, items, (args, kwargs))
     if rr.is_save:
         _record_outputs(record, rr, items, structure)
         rr.state_after = _snapshot(record, f"after save region {rr.name!r}")
@@ -193,6 +194,35 @@ def _flatten_output(rr: RegionRecord, out: Any) -> tuple[list[Any], Any]:
         "return a tensor, or one tuple/list of tensors and None. Fix: return a tuple "
         "of tensors and build dicts or nested structures outside the region."
     )
+
+
+def _reject_fresh_leaves(
+    record: CheckpointRecord, rr: RegionRecord, items: list[Any], given: Any
+) -> None:
+    """Refuse a requires-grad leaf output that the region did not receive.
+
+    Every differentiable computation gives its output a ``grad_fn``, so such a
+    tensor is a bare allocation (``torch.zeros(..., requires_grad=True)``): it is
+    cut off from the region's inputs, and replay would build a second, unrelated
+    leaf where backward expects the first. torch_remat refuses it too. Arguments
+    returned as they are, and parameters, are not allocations and pass.
+    """
+    for j, t in enumerate(items):
+        if t is None or not (t.requires_grad and t.grad_fn is None):
+            continue
+        if isinstance(t, torch.nn.Parameter) or any(
+            t is a for a in torch.utils._pytree.tree_leaves(given)
+        ):
+            continue
+        raise RematUsageError(
+            f"remat_dist: region {rr.name!r} (checkpoint {record.name!r}, "
+            f"recompute={rr.recompute}) returned at output {j} a fresh leaf tensor "
+            "that requires grad (requires_grad=True and no grad_fn), created inside "
+            "the region. It is not connected to the region's inputs and its replay "
+            "would be another tensor. Fix: create it outside the checkpoint (e.g. as "
+            "a module parameter) and pass it in, or return the result of a "
+            "computation on it."
+        )
 
 
 def _describe(out: Any) -> str:

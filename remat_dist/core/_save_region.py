@@ -133,7 +133,10 @@ def _save_region_hooks(
             # grad_fn, a reference cycle through the saved variable.
             return _Kept(t.detach(), t._version)
         info = SavedTensorInfo(SavedTensorKind.BACKWARD, record.name, rr.name, name)
-        return _UserPacked(user, user.pack_with(t, info))
+        # detach here too: an identity pack would return the op's output itself,
+        # whose grad_fn owns this saved variable -- a cycle through C++ autograd
+        # nodes that gc cannot see, so a graph dropped without backward would leak.
+        return _UserPacked(user, user.pack_with(t.detach(), info))
 
     def unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _UserPacked):

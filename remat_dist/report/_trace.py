@@ -17,6 +17,11 @@ regions inside them (``name: save|recompute``), nested as they ran. Only forward
 recorded: a replay during backward, even inside the ``with`` block, adds nothing.
 Regions outside any checkpoint are plain calls; they appear with the decision they
 would have inside one.
+
+``trace.roots`` holds the levels as :class:`TraceNode` s, checkpoints included.
+``trace.entries`` is torch_remat's shape of the same trace: :class:`OpTrace` per
+region and :class:`ScopeTrace` per ``trace_scope``, with no checkpoint level
+(torch_remat records none), so code that walks a torch_remat trace runs unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from remat_dist.core import (
     register_observer,
 )
 
-__all__ = ["Trace", "TraceNode", "collect_trace", "trace_scope"]
+__all__ = ["OpTrace", "ScopeTrace", "Trace", "TraceNode", "collect_trace", "trace_scope"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +73,38 @@ class TraceNode:
         return out
 
 
+@dataclass
+class OpTrace:
+    """A region in :attr:`Trace.entries` (torch_remat's field): its name (with
+    ``name_scope`` prefixes) and whether it recomputes."""
+
+    name: str
+    recompute: bool
+
+
+@dataclass
+class ScopeTrace:
+    """A ``trace_scope`` level in :attr:`Trace.entries`, with what ran inside it."""
+
+    name: str
+    metadata: Any = None
+    entries: list[OpTrace | ScopeTrace] = field(default_factory=list)
+
+
+def _entries_of(nodes: list[TraceNode]) -> list[OpTrace | ScopeTrace]:
+    """torch_remat's entries for ``nodes``: checkpoint levels give way to their
+    children."""
+    out: list[OpTrace | ScopeTrace] = []
+    for node in nodes:
+        if node.kind == "checkpoint":
+            out.extend(_entries_of(node.children))
+        elif node.kind == "scope":
+            out.append(ScopeTrace(node.name, node.metadata, _entries_of(node.children)))
+        else:
+            out.append(OpTrace(node.name, node.kind == "recompute"))
+    return out
+
+
 def _format_metadata(metadata: Any) -> str:
     if metadata is None:
         return ""
@@ -81,7 +118,8 @@ def _format_metadata(metadata: Any) -> str:
 
 
 class Trace:
-    """A recorded region hierarchy; ``format()`` renders it, ``roots`` holds it."""
+    """A recorded region hierarchy; ``format()`` renders it, ``roots`` holds it,
+    ``entries`` gives it as torch_remat does."""
 
     def __init__(self) -> None:
         self.roots: list[TraceNode] = []
@@ -142,6 +180,13 @@ class Trace:
         for root in self.roots:
             emit(root, 0)
         return "\n".join(lines)
+
+    @property
+    def entries(self) -> list[OpTrace | ScopeTrace]:
+        """torch_remat's view of the trace: :class:`OpTrace` per region,
+        :class:`ScopeTrace` per scope, nested as they ran, without checkpoint
+        levels (their regions take their place). Built afresh on each read."""
+        return _entries_of(self.roots)
 
     def decisions(self) -> list[tuple[str, str]]:
         """``(path, kind)`` for every level in order; paths join names with ``/``."""

@@ -575,12 +575,14 @@ def test_positional_fn_raises_type_error_with_fix():
 
 
 def test_preserve_rng_state_names_state_hooks():
-    with _raises(
-        remat.RematUsageError,
-        "checkpoint(region_name='layers.0'): preserve_rng_state is not supported",
-        "Fix: pass recompute_state_hooks=remat_dist.distributed.default_state_hooks()",
-    ):
+    # torch_remat raises NotImplementedError here; ours is also a RematUsageError
+    with pytest.raises(NotImplementedError) as info:
         remat.checkpoint(region_name="layers.0", preserve_rng_state=True)
+    assert isinstance(info.value, remat.RematUsageError)
+    assert "layers.0" in str(info.value)
+    assert "recompute_state_hooks=remat_dist.distributed.default_state_hooks()" in str(
+        info.value
+    )
 
 
 def test_nested_checkpoint_refused_at_entry():
