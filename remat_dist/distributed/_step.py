@@ -27,6 +27,7 @@ before the optimizer step.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import hashlib
 import json
@@ -367,6 +368,14 @@ def _fp_text(v: str) -> str:
 
 _steps: dict[str, StepAgreement] = {}
 _namespace = "0"
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    # Drop the store clients and the dispatch key while the interpreter is whole:
+    # a c10d store freed during interpreter teardown can abort the process.
+    _steps.clear()
+    set_backward_watch(None)
 
 
 def reset_step_state(namespace: str) -> None:

@@ -31,11 +31,12 @@ def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
         "--remat", "attention", "--report-json", str(out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    tail = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
     steps = [line for line in proc.stdout.splitlines() if " loss " in line]
-    assert len(steps) == 8 and all(line.startswith("[rank 0]") for line in steps)
+    assert len(steps) == 8 and all(line.startswith("[rank 0]") for line in steps), tail
     losses = [float(line.split(" loss ")[1].split()[0]) for line in steps]
     assert losses[-1] < losses[0] - 0.3, losses
-    assert "saved for backward across 2 ranks" in proc.stdout
+    assert "saved for backward across 2 ranks" in proc.stdout, tail
     data = json.loads(out.read_text())
     ranks = data["saved_tensors"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
