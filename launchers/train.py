@@ -290,4 +290,10 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Training done and the process group destroyed: leave without C++ static
+    # teardown, where a loaded machine sometimes aborted a finished worker
+    # ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,7 +15,7 @@ TRAIN = ROOT / "launchers" / "train.py"
 
 
 def torchrun(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     env["PYTHONWARNINGS"] = "ignore"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
