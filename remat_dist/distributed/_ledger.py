@@ -165,6 +165,7 @@ class CollectiveLedger:
         the entries on it. Ranks of one group compare these; other groups' entries
         never enter (point-to-point left out)."""
         hashers: dict[str, Any] = {}
+        counts: dict[str, int] = {}
         for e in self.entries:
             tok = e.agreement_token()
             if tok is None:
@@ -175,11 +176,7 @@ class CollectiveLedger:
                 h = hashers[key] = hashlib.sha1()
             h.update(tok.encode())
             h.update(b"\n")
-        counts: dict[str, int] = {}
-        for e in self.entries:
-            if e.agreement_token() is not None:
-                key = f"{e.group_name}/{len(e.group_ranks)}"
-                counts[key] = counts.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + 1
         return {k: f"{h.hexdigest()[:16]}:{counts[k]}" for k, h in hashers.items()}
 
     def local_fingerprint(self) -> str:
