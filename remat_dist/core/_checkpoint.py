@@ -33,6 +33,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from remat_dist.core import _record, _standin
 from remat_dist.core._hooks import (
     as_hooks,
+    entry_hooks,
     innermost_hooks,
     inputs_of_var,
     saved_tensors_hooks,
@@ -41,7 +42,7 @@ from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolv
 from remat_dist.core._packed import _link_to_graph
 from remat_dist.core._record import CheckpointPhase, CheckpointRecord
 from remat_dist.core._save_region import _entry
-from remat_dist.core._state import frame_var
+from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
 from remat_dist.core._types import RecomputeStateHook
 from remat_dist.core.scope import active_scope_depth
@@ -55,8 +56,9 @@ _DETERMINISM_CHECKS = ("none", "default")
 
 
 class _UnsupportedOption(RematUsageError, NotImplementedError):
-    """``preserve_rng_state=True``: a ``NotImplementedError`` as torch_remat raises
-    (what its users catch), and a ``RematUsageError`` like every other misuse."""
+    """``preserve_rng_state=True``, nested checkpoints: a ``NotImplementedError`` as
+    torch_remat raises (what its users catch), and a ``RematUsageError`` like every
+    other misuse."""
 
 
 def checkpoint(
@@ -191,7 +193,7 @@ def _run_checkpoint(
     run it through torch's non-reentrant checkpoint with the two :class:`_Phase` s."""
     outer = frame_var.get()
     if outer is not None:
-        raise RematUsageError(
+        raise _UnsupportedOption(
             f"remat_dist.checkpoint(region_name={name!r}) was entered inside checkpoint "
             f"{outer.name!r}: nested checkpoints are not supported. Fix: checkpoint "
             "the outer block only and mark the inner call with "
@@ -211,7 +213,8 @@ def _run_checkpoint(
         hooks = _record.default_state_hooks_for_checkpoint()
     record = CheckpointRecord(name, hooks, options)
     user_hooks = options.saved_tensors_hooks
-    hooked = user_hooks is not None or innermost_hooks() is not None
+    kept_under = entry_hooks(user_hooks)
+    hooked = kept_under is not None
     record.input_entries = [
         _entry(t, f"input {i}", packed_by_user_hook=hooked and i < len(args))
         for i, t in enumerate((*args, *kwargs.values()))
@@ -221,13 +224,24 @@ def _run_checkpoint(
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn
 
+    anchors: list[Any] = []
+
     def body(*a: Any) -> Any:
+        if hooked:  # replay packs it again first, filling the forward's holder
+            anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
+            if not record.replaying:
+                anchors.append(anchor)
         if record.pack_specs is None:
             return call(*a)
         with _standin.tracking(record):
             return call(*a)
 
     with user_hooks if user_hooks is not None else nullcontext():
+        # a plain torch pair nested inside the user's hooks takes over: what the
+        # save regions keep goes to it too
+        pushed = hooks_var.set(hooks_var.get() + (kept_under,)) if (
+            hooked and innermost_hooks() is not kept_under
+        ) else None
         token = inputs_of_var.set(name)
         try:
             out = torch_checkpoint.checkpoint(
@@ -240,8 +254,49 @@ def _run_checkpoint(
             )
         finally:
             inputs_of_var.reset(token)
+            if pushed is not None:
+                hooks_var.reset(pushed)
+    if anchors:
+        _replay_first(anchors.pop().grad_fn, out)
     _link_to_graph(record, out)
     return out
+
+
+class _ReplayAnchor(torch.autograd.Function):
+    """The checkpoint's first saved tensor (empty): unpacking it starts the replay,
+    which goes as far as without it (torch's early stop)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(anchor)
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        return grad
+
+
+def _replay_first(anchor: Any, out: Any) -> None:
+    """Under user saved-tensor hooks, start the checkpoint's backward with its whole
+    replay (torch_remat's timing): before any node of the checkpoint runs, a
+    pre-hook on its output nodes unpacks the anchor, the first tensor packed under
+    torch's checkpoint hook. So no user unpack of what the checkpoint keeps comes
+    before the replay, and an offloader can prepare at the replay's start."""
+    done: list[int] = []
+
+    def prehook(grad_outputs: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task not in done:
+            done[:] = [task]
+            anchor.saved_tensors  # noqa: B018 - the unpack is the point
+
+    nodes = {
+        id(t.grad_fn): t.grad_fn
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    }
+    for node in nodes.values():
+        node.register_prehook(prehook)
 
 
 class _Phase:
@@ -304,6 +359,7 @@ class _Phase:
                 record.phase = CheckpointPhase.WAITING
                 for r in record.regions:
                     r.outputs = []
+                    r.output_hooks = r.output_context = None
                 record._producers.clear()
                 record._names.clear()
             record._stack.clear()

@@ -11,13 +11,12 @@ it), and tells the pack hook why it is called (:func:`current_saved_tensor_info`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 
-from remat_dist.core._state import hooks_var
+from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._storage import storage_key
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
 from remat_dist.errors import RematUsageError
@@ -100,18 +99,39 @@ def current_saved_tensor_info() -> SavedTensorInfo:
 class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
     """Like ``torch.autograd.graph.saved_tensors_hooks``, and more.
 
-    Besides what autograd packs while the hooks are innermost, ``pack`` also sees the
-    inputs of checkpoints entered under it (``SavedTensorKind.CHECKPOINT_INPUT``),
-    what save regions keep (``BACKWARD``) and the save-region outputs persisted for
-    replay (``SAVE_OUTPUT``). Call :func:`current_saved_tensor_info` inside ``pack``
-    to tell them apart.
+    Outside a checkpoint the pair is installed as torch's hooks. It also sees what a
+    checkpoint entered under it keeps: the checkpoint's inputs
+    (``SavedTensorKind.CHECKPOINT_INPUT``), what its save regions save
+    (``BACKWARD``) and the save-region outputs persisted for replay
+    (``SAVE_OUTPUT``); call :func:`current_saved_tensor_info` inside ``pack`` to
+    tell them apart. Entered inside a checkpoint (around a save region, say), it
+    applies to what save regions keep there; everything else in the checkpoint is
+    still recomputed rather than packed. A plain torch hook pair active when a
+    checkpoint is entered (``torch.autograd.graph.save_on_cpu``, say) takes over the
+    same role, as the innermost pair.
+
+    Unpack timing, for offloaders that prefetch: when a checkpoint runs under these
+    hooks its backward starts with the replay, so no unpack of what the checkpoint
+    keeps comes before the replay starts. Code at the start of the checkpointed
+    function under ``remat_dist.is_recomputing()`` runs before any of them. The
+    persisted outputs of save regions are unpacked during the replay, where it
+    skips each region, in region order; the saves of save regions are unpacked
+    after the replay, as backward reaches their nodes. Each unpack goes to the pair
+    that packed it, also after its ``with`` block has exited.
 
     Args:
-        pack: ``tensor -> packed``.
+        pack: ``tensor -> packed``. Inside a save region it receives a detached
+            tensor (same storage, version and Python attributes; a parameter stays
+            an ``nn.Parameter``), so that an identity pack does not keep the graph
+            alive.
         unpack: ``packed -> tensor``.
-        capture_context: optional ``() -> context manager``, called at pack time;
-            the context manager is entered around the matching ``unpack`` (for
-            example to restore the stream or device the tensor was packed under).
+        capture_context: optional ``() -> object``, called where the tensor is
+            produced (at the save inside a save region, when the region returns for
+            its outputs); :func:`current_saved_tensor_info` ``().context`` holds its
+            value while ``pack`` runs. An output packed later, when a consumer
+            persists it, still gets the value captured when it was produced (an
+            offloader binds the chunk it belongs to). Checkpoint inputs and saves
+            outside any checkpoint get None, as in torch_remat.
     """
 
     def __init__(
@@ -119,34 +139,39 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
         pack: Callable[[torch.Tensor], Any],
         unpack: Callable[[Any], torch.Tensor],
         *,
-        capture_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        capture_context: Callable[[], Any] | None = None,
     ) -> None:
         if not callable(pack) or not callable(unpack):
             raise RematUsageError(
                 "remat_dist.saved_tensors_hooks(pack, unpack): both must be callables."
+            )
+        if capture_context is not None and not callable(capture_context):
+            raise RematUsageError(
+                "remat_dist.saved_tensors_hooks(pack, unpack, capture_context=...): "
+                f"capture_context must be a callable () -> object, got "
+                f"{type(capture_context).__name__}."
             )
         self.pack = pack
         self.unpack = unpack
         self.capture_context = capture_context
         self._stack: list[tuple[Any, Any]] = []
 
-    def pack_with(self, t: torch.Tensor, info: SavedTensorInfo) -> tuple[Any, Any]:
+    def capture(self) -> Any:
+        """The context to pack a tensor produced here with (None without one)."""
+        return self.capture_context() if self.capture_context is not None else None
+
+    def pack_with(self, t: torch.Tensor, info: SavedTensorInfo) -> Any:
+        """``pack(t)`` with ``info`` visible to :func:`current_saved_tensor_info`."""
         token = _info_var.set(info)
         try:
-            packed = self.pack(t)
+            return self.pack(t)
         finally:
             _info_var.reset(token)
-        ctx = self.capture_context() if self.capture_context is not None else None
-        return packed, ctx
 
-    def unpack_with(self, packed: tuple[Any, Any]) -> torch.Tensor:
-        value, ctx = packed
-        if ctx is None:
-            return self.unpack(value)
-        with ctx:
-            return self.unpack(value)
+    def unpack_with(self, packed: Any) -> torch.Tensor:
+        return self.unpack(packed)
 
-    def _pack_outer(self, t: torch.Tensor) -> tuple[Any, Any]:
+    def _pack_outer(self, t: torch.Tensor) -> Any:
         ckpt = inputs_of_var.get()
         if ckpt is not None:
             info = SavedTensorInfo(SavedTensorKind.CHECKPOINT_INPUT, checkpoint=ckpt)
@@ -156,23 +181,63 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
 
     def __enter__(self) -> saved_tensors_hooks:
         token = hooks_var.set(hooks_var.get() + (self,))
-        torch_hooks = torch.autograd.graph.saved_tensors_hooks(
-            self._pack_outer, self.unpack_with
-        )
-        torch_hooks.__enter__()
+        torch_hooks = None
+        if frame_var.get() is None:
+            # Inside a checkpoint torch's checkpoint hook must stay innermost (what
+            # is not in a save region is recomputed, not packed).
+            torch_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack_outer, self.unpack_with
+            )
+            torch_hooks.__enter__()
         self._stack.append((token, torch_hooks))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         token, torch_hooks = self._stack.pop()
-        torch_hooks.__exit__(*exc)
+        if torch_hooks is not None:
+            torch_hooks.__exit__(*exc)
         hooks_var.reset(token)
+
+
+def for_user_hook(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached for a user pack hook: what the hook would see without remat.
+
+    Detached, so that an identity pack does not close a reference cycle through the
+    autograd node (a graph dropped without backward would leak); a parameter stays
+    an ``nn.Parameter`` (offloaders leave FSDP's parameters alone by type) and a
+    plain tensor keeps its Python attributes (markers hooks read).
+    """
+    detached = t.detach()
+    if isinstance(t, torch.nn.Parameter):
+        detached = torch.nn.Parameter(detached, requires_grad=False)
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and t.__dict__:
+        detached.__dict__.update(t.__dict__)
+    return detached
 
 
 def innermost_hooks() -> saved_tensors_hooks | None:
     """The innermost :class:`saved_tensors_hooks` active in this context."""
     stack = hooks_var.get()
     return stack[-1] if stack else None
+
+
+def entry_hooks(explicit: saved_tensors_hooks | None) -> saved_tensors_hooks | None:
+    """The hooks a checkpoint entered here keeps its tensors under.
+
+    ``explicit`` (the checkpoint's ``saved_tensors_hooks=``) wins; else the innermost
+    torch hook pair: a :class:`saved_tensors_hooks`, or a plain torch pair nested
+    inside one (or alone), which takes over as in torch_remat.
+    """
+    if explicit is not None:
+        return explicit
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return None
+    pack, unpack = top
+    owner = getattr(pack, "__self__", None)
+    if isinstance(owner, saved_tensors_hooks) and pack == owner._pack_outer:
+        return owner
+    return saved_tensors_hooks(pack, unpack)
 
 
 def as_hooks(value: Any, where: str) -> saved_tensors_hooks | None:

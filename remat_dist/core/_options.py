@@ -88,7 +88,8 @@ def resolve(
     unknown = sorted(n for n in given if n not in usable)
     if unknown:
         own = "fn, name, recompute" if region else (
-            "region_name, recompute_state_hooks, saved_tensors_hooks, determinism_check"
+            "region_name, recompute_state_hooks, saved_tensors_hooks, "
+            "determinism_check, preserve_rng_state"
         )
         raise RematUsageError(
             f"{where} got unsupported option(s) {', '.join(unknown)}.{hint} "

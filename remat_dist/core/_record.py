@@ -89,6 +89,11 @@ class RegionRecord:
     descendants: int = 0
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     """Forward outputs (strong refs only while the forward runs)."""
+    output_hooks: Any = None
+    """The user's saved-tensor hooks where a save region returned, and the context
+    they captured there (``output_context``): a consumer that persists an output
+    later packs it with these (only while the forward runs)."""
+    output_context: Any = None
     output_meta: list[TensorMeta | None] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
     output_structure: str = "tensor"

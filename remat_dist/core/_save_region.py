@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from remat_dist.core import _standin
-from remat_dist.core._hooks import innermost_hooks, saved_name
+from remat_dist.core._hooks import for_user_hook, innermost_hooks, saved_name
 from remat_dist.core._packed import _Kept, _UserPacked
 from remat_dist.core._record import (
     CheckpointRecord,
@@ -132,11 +132,14 @@ def _save_region_hooks(
             # detach: a tensor that is the op's own output would otherwise hold its
             # grad_fn, a reference cycle through the saved variable.
             return _Kept(t.detach(), t._version)
-        info = SavedTensorInfo(SavedTensorKind.BACKWARD, record.name, rr.name, name)
-        # detach here too: an identity pack would return the op's output itself,
-        # whose grad_fn owns this saved variable -- a cycle through C++ autograd
-        # nodes that gc cannot see, so a graph dropped without backward would leak.
-        return _UserPacked(user, user.pack_with(t.detach(), info))
+        info = SavedTensorInfo(
+            SavedTensorKind.BACKWARD,
+            user.capture(),
+            checkpoint=record.name,
+            region=rr.name,
+            name=name,
+        )
+        return _UserPacked(user, user.pack_with(for_user_hook(t), info))
 
     def unpack(p: Any) -> torch.Tensor:
         if isinstance(p, _UserPacked):
@@ -191,6 +194,9 @@ def _record_outputs(
     and index the rest by storage so that later consumers can persist them."""
     rr.output_structure = structure
     rr.outputs = items
+    rr.output_hooks = innermost_hooks()
+    if rr.output_hooks is not None:
+        rr.output_context = rr.output_hooks.capture()
     kept = {e.storage for e in rr.saved if not e.packed_by_user_hook}
     for j, t in enumerate(items):
         if t is None:
@@ -235,13 +241,20 @@ def _persist_if_produced(record: CheckpointRecord, t: torch.Tensor) -> None:
             "values than the forward did. Fix: clone it before modifying "
             "(y = out.clone(); y.add_(...)) or modify it inside the region."
         )
-    user = innermost_hooks()
+    # the hooks (and context) where the region returned, not those active here:
+    # the output belongs to its producer's hooks even after their block exited
+    user = rr.output_hooks
     nbytes = storage_nbytes(out)
     if user is None:
         rr.persisted[j] = PersistedOutput(out.detach(), None, out._version, nbytes, False)
     else:
-        info = SavedTensorInfo(SavedTensorKind.SAVE_OUTPUT, record.name, rr.name, None)
-        packed = user.pack_with(out.detach(), info)
+        info = SavedTensorInfo(
+            SavedTensorKind.SAVE_OUTPUT,
+            rr.output_context,
+            checkpoint=record.name,
+            region=rr.name,
+        )
+        packed = user.pack_with(for_user_hook(out), info)
         rr.persisted[j] = PersistedOutput(
             packed, user.unpack_with, out._version, nbytes, False
         )

@@ -40,14 +40,24 @@ class SavedTensorKind(enum.Enum):
 class SavedTensorInfo:
     """What a pack hook is packing, and for which region.
 
+    ``SavedTensorInfo(kind, context)`` is torch_remat's shape; remat_dist adds where
+    the tensor comes from (``checkpoint``, ``region``, ``name``) as keyword fields.
+
     Attributes:
         kind: why the tensor is packed.
+        context: what the hooks' ``capture_context()`` returned where the tensor was
+            produced: in the save region, at the save (``BACKWARD``) or when the
+            region returned (``SAVE_OUTPUT``, even when a later consumer triggers the
+            pack after the hooks' ``with`` block has exited). None without a
+            ``capture_context``, for checkpoint inputs and for saves outside any
+            checkpoint (as in torch_remat).
         checkpoint: the enclosing checkpoint's region name, or None outside one.
         region: the save region's qualified name (``checkpoint::region``), or None.
         name: the ``save_for_backward`` name where one was given, else None.
     """
 
     kind: SavedTensorKind
+    context: Any = None
     checkpoint: str | None = None
     region: str | None = None
     name: str | None = None

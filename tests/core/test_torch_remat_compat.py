@@ -54,6 +54,33 @@ def test_preserve_rng_state_not_a_bool_is_a_usage_error():
         remat.checkpoint(region_name="layers.0", preserve_rng_state="no")
 
 
+def test_unknown_option_lists_every_keyword_checkpoint_takes():
+    with pytest.raises(remat.RematUsageError) as info:
+        remat.checkpoint(region_name="layers.0", use_reentrant=True)
+    msg = str(info.value)
+    for name in (
+        "region_name", "recompute_state_hooks", "saved_tensors_hooks",
+        "determinism_check", "preserve_rng_state", "collectives",
+    ):
+        assert name in msg.split("Supported:")[1], msg
+
+
+def test_misuse_raises_what_torch_remat_raises_too():
+    # torch_remat: checkpoint() takes keywords only (TypeError); nesting is
+    # NotImplementedError. Both stay RematUsageErrors naming the fix here.
+    with pytest.raises(TypeError) as info:
+        remat.checkpoint(torch.sin)
+    assert isinstance(info.value, remat.RematUsageError)
+    assert "region_name='layers.0'" in str(info.value)
+
+    inner = remat.checkpoint(region_name="inner")(torch.sin)
+    outer = remat.checkpoint(region_name="outer")(lambda t: inner(t).cos())
+    with pytest.raises(NotImplementedError) as info:
+        outer(torch.randn(3, requires_grad=True))
+    assert isinstance(info.value, remat.RematUsageError)
+    assert "nested checkpoints are not supported" in str(info.value)
+
+
 # --- trace.entries ------------------------------------------------------------------
 
 
