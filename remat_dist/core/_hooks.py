@@ -52,7 +52,7 @@ def saved_name(t: torch.Tensor) -> str | None:
     return names.get(_name_key(t))
 
 
-def save_for_backward(ctx: Any, tensors: Mapping[str, torch.Tensor | None]) -> None:
+def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> None:
     """``ctx.save_for_backward`` with names, so that memory reports show them.
 
     Call it from a custom ``autograd.Function.forward``; ``ctx.saved_tensors`` gives
@@ -60,14 +60,14 @@ def save_for_backward(ctx: Any, tensors: Mapping[str, torch.Tensor | None]) -> N
 
         remat_dist.save_for_backward(ctx, {"lse": lse, "probs": probs})
     """
-    if not isinstance(tensors, Mapping):
+    if not isinstance(saved, Mapping):
         raise RematUsageError(
-            "remat_dist.save_for_backward(ctx, tensors) takes a mapping of "
-            f"name -> tensor, got {type(tensors).__name__}. Fix: pass "
+            "remat_dist.save_for_backward(ctx, saved) takes a mapping of "
+            f"name -> tensor, got {type(saved).__name__}. Fix: pass "
             "{'name': tensor, ...}."
         )
     names: dict[tuple[Any, ...], str] = {}
-    for name, t in tensors.items():
+    for name, t in saved.items():
         if not isinstance(name, str) or not name:
             raise RematUsageError(
                 f"remat_dist.save_for_backward: names must be non-empty strings, got "
@@ -78,7 +78,7 @@ def save_for_backward(ctx: Any, tensors: Mapping[str, torch.Tensor | None]) -> N
     # torch packs the tensors when the Function's forward returns, before the next
     # Function can call this again, so one pending mapping is all that is needed.
     _pending_names.set(names)
-    ctx.save_for_backward(*tensors.values())
+    ctx.save_for_backward(*saved.values())
 
 
 def current_saved_tensor_info() -> SavedTensorInfo:
@@ -120,11 +120,11 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
     that packed it, also after its ``with`` block has exited.
 
     Args:
-        pack: ``tensor -> packed``. Inside a save region it receives a detached
+        pack_hook: ``tensor -> packed``. Inside a save region it receives a detached
             tensor (same storage, version and Python attributes; a parameter stays
             an ``nn.Parameter``), so that an identity pack does not keep the graph
             alive.
-        unpack: ``packed -> tensor``.
+        unpack_hook: ``packed -> tensor``.
         capture_context: optional ``() -> object``, called where the tensor is
             produced (at the save inside a save region, when the region returns for
             its outputs); :func:`current_saved_tensor_info` ``().context`` holds its
@@ -136,14 +136,15 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
 
     def __init__(
         self,
-        pack: Callable[[torch.Tensor], Any],
-        unpack: Callable[[Any], torch.Tensor],
+        pack_hook: Callable[[torch.Tensor], Any],
+        unpack_hook: Callable[[Any], torch.Tensor],
         *,
         capture_context: Callable[[], Any] | None = None,
     ) -> None:
-        if not callable(pack) or not callable(unpack):
+        if not callable(pack_hook) or not callable(unpack_hook):
             raise RematUsageError(
-                "remat_dist.saved_tensors_hooks(pack, unpack): both must be callables."
+                "remat_dist.saved_tensors_hooks(pack_hook, unpack_hook): both must be "
+                "callables."
             )
         if capture_context is not None and not callable(capture_context):
             raise RematUsageError(
@@ -151,8 +152,8 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
                 f"capture_context must be a callable () -> object, got "
                 f"{type(capture_context).__name__}."
             )
-        self.pack = pack
-        self.unpack = unpack
+        self.pack = pack_hook
+        self.unpack = unpack_hook
         self.capture_context = capture_context
         self._stack: list[tuple[Any, Any]] = []
 

@@ -121,6 +121,6 @@ def make_placeholder(
     return Placeholder(meta, device, requires_grad, checkpoint, origin, index)
 
 
-def is_placeholder(t: Any) -> bool:
+def is_placeholder(tensor: Any) -> bool:
     """True for (views of) stand-ins of skipped save-region outputs during replay."""
-    return isinstance(t, Placeholder)
+    return isinstance(tensor, Placeholder)

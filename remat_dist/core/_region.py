@@ -62,13 +62,13 @@ class _RegionCall:
 
 
 def region(
-    fn: Callable[..., Any],
+    function: Callable[..., Any],
     name: str,
     *,
     recompute: bool,
     **options: Any,
 ) -> Callable[..., Any]:
-    """Mark a call inside a checkpoint: ``region(fn, name, recompute=...)(*args)``.
+    """Mark a call inside a checkpoint: ``region(function, name, recompute=...)(*args)``.
 
     ``recompute=False`` (a save region) keeps what the call saves for backward on the
     original graph and skips the call on replay; its outputs are served to replay
@@ -82,10 +82,10 @@ def region(
     issues so that its replay issues no communication (the checkpoint's
     ``collectives=`` option, for this region only).
     """
-    if not callable(fn):
+    if not callable(function):
         raise RematUsageError(
-            f"remat_dist.region(fn, {name!r}, ...): fn must be callable, got "
-            f"{type(fn).__name__}."
+            f"remat_dist.region(function, {name!r}, ...): function must be callable, "
+            f"got {type(function).__name__}."
         )
     if not isinstance(name, str) or not name:
         raise RematUsageError(
@@ -98,7 +98,7 @@ def region(
             f"or False, got {recompute!r} ({type(recompute).__name__})."
         )
     resolved = resolve(options, f"remat_dist.region(fn, {name!r}, ...)", region=True)
-    return _RegionCall(fn, name, recompute, resolved)
+    return _RegionCall(function, name, recompute, resolved)
 
 
 def _region_plain(call: _RegionCall, args: tuple[Any, ...], kwargs: dict) -> Any:

@@ -30,25 +30,33 @@ OOMObserver = Callable[[int, int, int, int], None]
 
 
 def format_oom_saved_tensors_report(
-    device: int,
-    alloc: int,
-    device_allocated: int,
-    device_free: int,
+    device: int | None = None,
+    alloc: int | None = None,
+    device_allocated: int | None = None,
+    device_free: int | None = None,
     *,
     roots: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
     annotate: Annotate | None = None,
 ) -> str:
-    """The text :func:`oom_observer` prints: the failed request, then the reports."""
+    """The text :func:`oom_observer` prints: the failed request, then the reports.
+
+    Without the allocator's numbers (torch_remat's
+    ``format_oom_saved_tensors_report(annotate=...)``) the first line says only
+    that this is the report at out of memory.
+    """
     from remat_dist.core import current_frame
     from remat_dist.report._current import format_current_memory_report
     from remat_dist.report._roots import discover_autograd_roots
     from remat_dist.report._saved import format_saved_tensors_report
 
-    lines = [
-        f"remat_dist: CUDA out of memory on device {device}: tried to allocate "
-        f"{format_bytes(alloc)} with {format_bytes(device_allocated)} allocated and "
-        f"{format_bytes(device_free)} free"
-    ]
+    if None in (device, alloc, device_allocated, device_free):
+        lines = ["remat_dist: saved tensors at CUDA out of memory"]
+    else:
+        lines = [
+            f"remat_dist: CUDA out of memory on device {device}: tried to allocate "
+            f"{format_bytes(alloc)} with {format_bytes(device_allocated)} allocated "
+            f"and {format_bytes(device_free)} free"
+        ]
     if callable(roots):
         found = list(roots())
     elif roots is None:
@@ -66,12 +74,19 @@ def format_oom_saved_tensors_report(
 
 
 def oom_observer(
-    roots: Iterable[Any] | Callable[[], Iterable[Any]] | None = None,
-    *,
+    roots: Iterable[Any] | Callable[[], Iterable[Any]] | int | None = None,
+    *allocator_args: int,
     annotate: Annotate | Callable[[], Annotate] | None = None,
     file: IO[str] | None = None,
-) -> OOMObserver:
+) -> OOMObserver | None:
     """An out-of-memory observer that prints the saved-tensors report.
+
+    Two call shapes. ``oom_observer(roots, annotate=..., file=...)`` returns an
+    observer to attach (see :func:`attach_oom_observer`). Attached itself, as
+    torch_remat's is (``torch._C._cuda_attach_out_of_memory_observer(
+    remat_dist.oom_observer)``), the allocator calls it with ``(device, alloc,
+    device_allocated, device_free)`` and it prints the report of the live graphs
+    to stderr at once.
 
     Args:
         roots: what to report on: a callable returning roots (called at OOM time,
@@ -86,6 +101,15 @@ def oom_observer(
     The observer never raises: a failure while reporting is printed instead, so it
     cannot hide the original out-of-memory error.
     """
+    if allocator_args:
+        if not (isinstance(roots, int) and len(allocator_args) == 3):
+            raise TypeError(
+                "remat_dist.oom_observer: called with positional numbers it is the "
+                "allocator's observer, (device, alloc, device_allocated, "
+                "device_free); to build an observer pass roots=... only."
+            )
+        oom_observer(annotate=annotate, file=file)(roots, *allocator_args)
+        return None
     fixed = None if roots is None or callable(roots) else list(roots)
 
     def observe(

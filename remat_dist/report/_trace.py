@@ -232,28 +232,28 @@ def collect_trace() -> Iterator[Trace]:
         trace._stack.clear()
 
 
-def trace_scope(fn: F, name: str, *, metadata: Any = None) -> F:
-    """Wrap ``fn`` so that its calls add a level ``name`` to active traces.
+def trace_scope(function: F, name: str, *, metadata: Any = None) -> F:
+    """Wrap ``function`` so that its calls add a level ``name`` to active traces.
 
     ``trace_scope(block, "scope", metadata=["test_flag"])(x)`` shows as
     ``scope [test_flag]``. Without an active trace, or while a checkpoint is being
     replayed, the wrapper is a plain call.
     """
-    if not callable(fn):
-        raise TypeError(f"trace_scope(fn, {name!r}): fn must be callable")
+    if not callable(function):
+        raise TypeError(f"trace_scope(function, {name!r}): function must be callable")
     if not isinstance(name, str) or not name:
         raise TypeError(f"trace_scope: name must be a non-empty string, got {name!r}")
 
-    @functools.wraps(fn)
+    @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         traces = _active.get()
         if not traces or is_recomputing():
-            return fn(*args, **kwargs)
+            return function(*args, **kwargs)
         key = object()
         for trace in traces:
             trace._push(TraceNode("scope", name, metadata, key=key))
         try:
-            return fn(*args, **kwargs)
+            return function(*args, **kwargs)
         finally:
             for trace in traces:
                 trace._pop(key)

@@ -21,6 +21,7 @@ from remat_dist.report import (
     attach_oom_observer,
     build_saved_tensors_report,
     discover_autograd_roots,
+    format_oom_saved_tensors_report,
     format_saved_tensors_report,
     gather_saved_tensors_report,
     memory_snapshot_annotate,
@@ -59,6 +60,23 @@ def test_oom_observer_prints_the_report_as_the_allocator_would_call_it():
         "with 5.0 GiB allocated and 1.0 MiB free"
     )
     assert rest.startswith(format_saved_tensors_report(loss))
+
+
+def test_oom_observer_attached_itself_as_torch_remats_is(capsys):
+    # torch_remat code attaches the function itself; the allocator then calls it
+    # with its four numbers, and it reports the live graphs (found by gc) on stderr
+    model, tokens, targets = model_and_batch("attention_saved")
+    loss = model.loss(tokens, targets)
+    assert oom_observer(0, 3 * 2**30, 5 * 2**30, 2**20) is None
+    err = capsys.readouterr().err
+    assert err.startswith("remat_dist: CUDA out of memory on device 0: tried to")
+    assert format_saved_tensors_report(loss).splitlines()[0] in err
+    # and torch_remat's format call, annotate only
+    text = format_oom_saved_tensors_report(annotate=None, roots=[loss])
+    assert text.startswith("remat_dist: saved tensors at CUDA out of memory\n")
+    assert format_saved_tensors_report(loss) in text
+    with pytest.raises(TypeError, match="allocator's observer"):
+        oom_observer(0, 1)
 
 
 def test_oom_observer_reports_the_running_checkpoint_and_never_raises():
