@@ -27,6 +27,7 @@ ALLOWED = {
     "cli": {"core", "distributed", "report", "fsdp", "testing", "models", "(root)"},
     "testing": {"core", "distributed", "report", "fsdp", "models"},
     "models": {"core", "distributed", "report", "fsdp"},
+    "integrations": {"core", "distributed", "report", "fsdp"},
 }
 
 

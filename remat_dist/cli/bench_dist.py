@@ -7,7 +7,10 @@ on every rank of a replica), four variants run interleaved: no checkpointing,
 (``collectives="replay"``) and remat_dist comm-free replay (``"save"``). Per
 variant: collectives issued in forward and in backward by kind, the replayed ones
 (backward minus no checkpointing), all-gathers in backward, saved bytes per rank,
-median step time and its ratio to no checkpointing. Then the ledger's own costs:
+median step time and its ratio to no checkpointing. "saved" counts what backward
+will need per rank: what the saved-tensors hooks see (checkpoint inputs, torch's
+checkpoint's included) plus the collective outputs ``"save"`` keeps for comm-free
+replay, shown again in their own column ("of which kept coll."). Then the ledger's own costs:
 per collective (record, verify), and the agreement round per replay.
 """
 
@@ -63,6 +66,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
         observe_collectives,
     )
     from remat_dist.models import make_batch
+    from remat_dist.report import build_saved_tensors_report
     from remat_dist.testing import SavedBytesCounter
 
     models = {v: _build(layout, v, cfg) for v in VARIANTS}
@@ -86,7 +90,11 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fwd, bwd = RecordCollectives(), RecordCollectives()
         with observe_collectives(fwd), SavedBytesCounter(model.parameters()) as count:
             loss = model.loss(tokens, targets)
-        saved = count.activation_bytes
+        # The hooks see what autograd and the checkpoints pack; collective outputs
+        # kept for comm-free replay live on the checkpoint's record, which they do
+        # not see: the report counts those.
+        kept = build_saved_tensors_report(loss).kept_collective_bytes
+        saved = count.activation_bytes + kept
         with observe_collectives(bwd):
             loss.backward()
         model.zero_grad(set_to_none=True)
@@ -94,6 +102,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "forward": _kinds(fwd.ledger),
             "backward": _kinds(bwd.ledger),
             "saved_bytes": saved,
+            "kept_collective_bytes": kept,
             "time_s": statistics.median(times[v]),
         }
     out["ledger_cost_us"] = _ledger_costs(cfg["iters"] * 20)
@@ -226,6 +235,9 @@ def _torchrun_main(json_path: str, cfg: dict[str, Any]) -> None:
             per_rank = all_gather_objects(mine)
             for v in VARIANTS:
                 mine[v]["saved_bytes_per_rank"] = [r[v]["saved_bytes"] for r in per_rank]
+                mine[v]["kept_collective_bytes_per_rank"] = [
+                    r[v]["kept_collective_bytes"] for r in per_rank
+                ]
             results[layout] = mine
         if dist.get_rank() == 0:
             with open(json_path, "w") as f:
@@ -268,7 +280,8 @@ def format_dist_table(result: dict[str, Any]) -> str:
     lines = []
     head = (
         f"{'layout':<6} {'variant':<24} {'fwd coll':>8} {'bwd coll':>8} {'replayed':>8} "
-        f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'time ms':>8} {'x none':>6}"
+        f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'of which kept coll.':>19} "
+        f"{'time ms':>8} {'x none':>6}"
     )
     lines += [head, "-" * len(head)]
     for layout, res in result["layouts"].items():
@@ -279,10 +292,13 @@ def format_dist_table(result: dict[str, Any]) -> str:
             bwd = sum(r["backward"].values())
             gathers = sum(n for op, n in r["backward"].items() if "allgather" in op)
             saved = "/".join(f"{b / 1024:.0f}" for b in r["saved_bytes_per_rank"])
+            kept = "/".join(
+                f"{b / 1024:.0f}" for b in r.get("kept_collective_bytes_per_rank", [0])
+            )
             lines.append(
                 f"{layout:<6} {v:<24} {sum(r['forward'].values()):>8} {bwd:>8} "
-                f"{bwd - base_bwd:>8} {gathers:>15} {saved:>16} {r['time_s'] * 1e3:>8.1f} "
-                f"{r['time_s'] / base_t:>6.3f}"
+                f"{bwd - base_bwd:>8} {gathers:>15} {saved:>16} {kept:>19} "
+                f"{r['time_s'] * 1e3:>8.1f} {r['time_s'] / base_t:>6.3f}"
             )
     costs = result["layouts"]["tp"]["ledger_cost_us"]
     lines.append(

@@ -34,6 +34,8 @@ from remat_dist.report._graph import (
 )
 
 __all__ = [
+    "KEPT_BY_LAYERS",
+    "TORCH_CHECKPOINT",
     "Annotate",
     "CheckpointBreakdown",
     "Ledger",
@@ -47,6 +49,11 @@ __all__ = [
 TORCH_CHECKPOINT = "torch.utils.checkpoint"
 """The ``kind`` of a :class:`CheckpointBreakdown` made from a call of torch's
 non-reentrant checkpoint (``checkpoint_wrapper`` included)."""
+
+KEPT_BY_LAYERS = "kept for comm-free replay"
+"""The ``kind`` of a :class:`RegionBreakdown` holding what the layers above keep on
+a checkpoint's record (``RecordExtension.kept_tensors``): today the collective
+outputs that ``collectives="save"`` keeps so that replay issues no communication."""
 
 Annotate = Callable[[torch.Tensor], "str | None"]
 """Maps a saved tensor to a short label (allocation site, ...), or None."""
@@ -146,6 +153,9 @@ class RegionBreakdown:
     name: str
     local_name: str
     rows: list[StorageRow] = field(default_factory=list)
+    kind: str = "save"
+    """``"save"`` (a save region) or :data:`KEPT_BY_LAYERS` (what the layers above
+    keep on the record: collective outputs of comm-free replay)."""
 
     @property
     def nbytes(self) -> int:
@@ -363,7 +373,11 @@ def breakdown_checkpoint(
         out.user_hook_bytes += sum(r.nbytes for r in region.rows if r.user_hook)
     kept = _extension_rows(record, ledger, f"{name}::kept")
     if kept:
-        out.regions.append(RegionBreakdown(name=f"{name}::kept", local_name="kept", rows=kept))
+        out.regions.append(
+            RegionBreakdown(
+                name=f"{name}::kept", local_name="kept", rows=kept, kind=KEPT_BY_LAYERS
+            )
+        )
     if with_inputs:
         add_inputs(out, record, ledger)
     return out

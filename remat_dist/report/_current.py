@@ -12,6 +12,10 @@ storage counted once however many views of it were saved::
     layers.0 inputs: 48 B in 1 storage (kept so that replay can start)
       48 B  input 0  (3, 4)  float32
 
+Under ``collectives="save"`` the collective outputs kept so far for comm-free
+replay are one more region, ``<name>::kept``, each row labelled ``... output (kept
+for comm-free replay)``.
+
 Inside a plain ``torch.utils.checkpoint`` (non-reentrant, ``checkpoint_wrapper``
 included) it reports that checkpoint instead: it keeps its inputs, and the saves of
 its forward so far are recompute handles that cost nothing until backward. It has
@@ -38,7 +42,7 @@ __all__ = ["format_current_memory_report", "print_current_memory_report"]
 
 
 def format_current_memory_report(
-    *, annotate: Annotate | None = None, inputs: bool = True
+    annotate: Annotate | None = None, *, inputs: bool = True
 ) -> str:
     """The current checkpoint's saved storages, per save region (see module doc).
 
@@ -74,12 +78,13 @@ def format_current_memory_report(
 
 
 def print_current_memory_report(
-    *,
-    annotate: Annotate | None = None,
-    inputs: bool = True,
     file: IO[str] | None = None,
+    annotate: Annotate | None = None,
+    *,
+    inputs: bool = True,
 ) -> None:
-    """Print :func:`format_current_memory_report` (to stdout by default)."""
+    """Print :func:`format_current_memory_report` (to stdout by default; the
+    arguments in torch_remat's order)."""
     print(
         format_current_memory_report(annotate=annotate, inputs=inputs),
         file=file or sys.stdout,

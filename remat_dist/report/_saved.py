@@ -4,7 +4,10 @@ From some roots (usually the loss) the report walks the autograd graph once and
 counts, per storage and each storage once:
 
 * per checkpoint (``region_name``), what its save regions keep: their saves and
-  the outputs kept so that replay can feed later code;
+  the outputs kept so that replay can feed later code; under
+  ``collectives="save"`` also the collective outputs kept for comm-free replay
+  (a ``<name>::kept`` region, summed on an "of which" line and in
+  ``kept_collective_bytes``);
 * the checkpoints' inputs, which the checkpoint keeps so that replay can start
   (``saved_tensors_hooks`` never sees them inside the checkpoint, and they are
   often the largest cost);
@@ -33,6 +36,7 @@ from typing import IO, Any
 import torch
 
 from remat_dist.report._accounting import (
+    KEPT_BY_LAYERS,
     TORCH_CHECKPOINT,
     Annotate,
     CheckpointBreakdown,
@@ -137,6 +141,20 @@ class SavedTensorsReport:
         return sum(cp.input_bytes for cp in self.torch_checkpoints)
 
     @property
+    def kept_collective_bytes(self) -> int:
+        """The part of :attr:`regions_bytes` that is collective outputs kept for
+        comm-free replay (``collectives="save"``)."""
+        return sum(
+            r.nbytes for cp in self.checkpoints for r in cp.regions if r.kind == KEPT_BY_LAYERS
+        )
+
+    @property
+    def kept_collective_storages(self) -> int:
+        return sum(
+            r.storages for cp in self.checkpoints for r in cp.regions if r.kind == KEPT_BY_LAYERS
+        )
+
+    @property
     def outside_regions_bytes(self) -> int:
         return sum(g.nbytes for g in self.outside)
 
@@ -163,6 +181,7 @@ class SavedTensorsReport:
             "checkpoint_input_bytes": self.checkpoint_input_bytes,
             "parameter_bytes": self.parameter_bytes,
             "user_hook_bytes": self.user_hook_bytes,
+            "kept_collective_bytes": self.kept_collective_bytes,
             "regions": [_region_summary(cp) for cp in self.checkpoints],
             "torch_checkpoint": {
                 "regions": len(self.torch_checkpoints),
@@ -190,6 +209,13 @@ class SavedTensorsReport:
             lines.append(
                 f"of which packed by user hooks: {format_bytes(self.user_hook_bytes)} "
                 "(size before packing)"
+            )
+        if self.kept_collective_bytes:
+            lines.append(
+                f"of which collective outputs kept for comm-free replay: "
+                f"{format_bytes(self.kept_collective_bytes)} in "
+                f"{plural(self.kept_collective_storages, 'storage')} "
+                '(collectives="save"; in the regions\' bytes)'
             )
         torch_cps = self.torch_checkpoints
         if torch_cps:
@@ -280,21 +306,24 @@ def _unique_names(scan: GraphScan) -> list[str]:
     return names
 
 
-def _resolve_roots(roots: tuple[Any, ...]) -> Iterable[Any]:
-    if roots:
-        return roots
+def _resolve_roots(roots: Any, more: tuple[Any, ...]) -> Iterable[Any]:
+    given = tuple(r for r in (roots, *more) if r is not None)
+    if given:
+        return given
     from remat_dist.report._roots import discover_autograd_roots
 
     return discover_autograd_roots()
 
 
-def build_saved_tensors_report(*roots: Any) -> SavedTensorsReport:
-    """Walk the graph from ``roots`` and count what backward will need.
+def build_saved_tensors_report(roots: Any = None, *more: Any) -> SavedTensorsReport:
+    """Walk the graph from the roots and count what backward will need.
 
-    ``roots``: tensors (usually the loss), autograd nodes, or lists/tuples/dicts of
-    them. With no roots, :func:`discover_autograd_roots` finds them (a ``gc`` pass).
+    Roots: tensors (usually the loss), autograd nodes, or lists/tuples/dicts of
+    them, as ``roots`` (torch_remat's keyword) and further positional arguments
+    (``build_saved_tensors_report(loss_a, loss_b)``). With none,
+    :func:`discover_autograd_roots` finds the live graphs (a ``gc`` pass).
     """
-    scan = scan_graph(_resolve_roots(roots))
+    scan = scan_graph(_resolve_roots(roots, more))
     ledger = Ledger(scan.parameter_keys)
     tensors: dict[StorageKey, torch.Tensor] = {}
     labels: dict[StorageKey, list[str]] = {}
@@ -368,29 +397,37 @@ def build_saved_tensors_report(*roots: Any) -> SavedTensorsReport:
     )
 
 
-def format_saved_tensors_report(*roots: Any, annotate: Annotate | None = None) -> str:
-    """The saved-tensors report for ``roots`` as text (see module doc).
+def format_saved_tensors_report(
+    roots: Any = None, *more: Any, annotate: Annotate | None = None
+) -> str:
+    """The saved-tensors report for the roots as text (see module doc; roots as in
+    :func:`build_saved_tensors_report`).
 
     ``annotate``: optional ``tensor -> label`` appended to storage rows, e.g.
     :func:`memory_snapshot_annotate` (allocation sites on CUDA).
     """
-    return build_saved_tensors_report(*roots).format(annotate)
+    return build_saved_tensors_report(roots, *more).format(annotate)
 
 
 def print_saved_tensors_report(
-    *roots: Any, annotate: Annotate | None = None, file: IO[str] | None = None
+    roots: Any = None,
+    *more: Any,
+    annotate: Annotate | None = None,
+    file: IO[str] | None = None,
 ) -> None:
     """Print :func:`format_saved_tensors_report` (to stdout by default)."""
     print(
-        format_saved_tensors_report(*roots, annotate=annotate), file=file or sys.stdout
+        format_saved_tensors_report(roots, *more, annotate=annotate),
+        file=file or sys.stdout,
     )
 
 
-def saved_tensors_summary(*roots: Any) -> dict[str, Any]:
+def saved_tensors_summary(roots: Any = None, *more: Any) -> dict[str, Any]:
     """The report's numbers as a JSON-ready dict::
 
         {"total_bytes", "regions_bytes", "outside_regions_bytes",
          "checkpoint_input_bytes", "parameter_bytes", "user_hook_bytes",
+         "kept_collective_bytes",
          "regions": [{"name", "bytes", "storages", "input_bytes"}, ...],
          "outside": [{"node_type", "bytes", "nodes"}, ...],
          "torch_checkpoint": {"regions", "input_bytes", "recompute_handles"}}
@@ -401,6 +438,8 @@ def saved_tensors_summary(*roots: Any) -> dict[str, Any]:
     with two more keys, ``"kind": "torch.utils.checkpoint"`` and
     ``"recompute_handles"``; their ``bytes`` are 0 (torch recomputes what their
     forward saved) and their inputs are also in ``checkpoint_input_bytes``;
-    ``torch_checkpoint`` sums them.
+    ``torch_checkpoint`` sums them. ``kept_collective_bytes`` is the part of
+    ``regions_bytes`` that ``collectives="save"`` keeps (collective outputs, so that
+    replay issues no communication).
     """
-    return build_saved_tensors_report(*roots).summary()
+    return build_saved_tensors_report(roots, *more).summary()

@@ -25,4 +25,43 @@ def test_bench_tiny_writes_json(tmp_path):
     tp = data["distributed"]["layouts"]["tp"]
     # comm-free replay issues the no-checkpoint backward collectives, no more
     assert sum(tp["remat save"]["backward"].values()) == sum(tp["none"]["backward"].values())
+    # the saved column counts the collective outputs "save" keeps for comm-free
+    # replay (hooks never see them): per block, the row-wise attention.wo and mlp.w2
+    # all-reduce outputs, each (batch, seq, dim) float32 -- an independent count
+    cfg = data["distributed"]["config"]
+    block_out = cfg["batch"] * cfg["seq"] * cfg["dim"] * 4
+    kept = [cfg["layers"] * 2 * block_out] * 2
+    assert tp["remat save"]["kept_collective_bytes_per_rank"] == kept
+    assert tp["remat replay"]["kept_collective_bytes_per_rank"] == [0, 0]
+    assert [s - r for s, r in zip(
+        tp["remat save"]["saved_bytes_per_rank"], tp["remat replay"]["saved_bytes_per_rank"]
+    )] == kept
+    fsdp = data["distributed"]["layouts"]["fsdp"]
+    assert fsdp["remat save"]["kept_collective_bytes_per_rank"] == [0, 0]
+    assert "of which kept coll." in proc.stdout
     assert "x torch" in proc.stdout and "distributed (2 gloo ranks" in proc.stdout
+
+
+def test_bench_saved_column_counts_torch_checkpoint_inputs():
+    # torch.utils.checkpoint keeps each block's input; the saved column (a
+    # saved-tensors-hooks count) includes them, and so does the report, which
+    # labels them as torch's: layers x (batch, seq, dim) float32.
+    from remat_dist.cli import bench
+    from remat_dist.models import GPT, GPTConfig, make_batch
+    from remat_dist.report import build_saved_tensors_report
+
+    config = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=3)
+    model = GPT(config)
+    tokens, targets = make_batch(config, 2, seed=0)
+    inputs = config.n_layers * 2 * config.seq_len * config.dim * 4
+    columns = {}
+    for name in ("none", "torch.utils.checkpoint"):
+        model.block_runner = bench.VARIANTS[name]()
+        columns[name] = bench._saved_bytes(model, tokens, targets)
+        loss = model.loss(tokens, targets)
+        report = build_saved_tensors_report(loss)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        assert columns[name] == report.total_bytes
+        assert report.torch_checkpoint_input_bytes == (inputs if name != "none" else 0)
+    assert columns["torch.utils.checkpoint"] < columns["none"]

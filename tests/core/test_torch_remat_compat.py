@@ -292,3 +292,52 @@ def test_installed_torch_remat_is_never_shadowed_silently(
 
     assert remat_dist.compat.install_torch_remat_alias(force=True) is remat_dist
     assert sys.modules["torch_remat"] is remat_dist
+
+
+# --- keyword and argument names -----------------------------------------------------
+
+
+def test_torch_remats_keyword_names_and_report_call_shapes():
+    import io
+
+    w = torch.randn(4, 4, requires_grad=True)
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            remat.save_for_backward(ctx, saved={"x": x})
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    seen = []
+
+    def block(x):
+        y = remat.region(function=Square.apply, name="sq", recompute=False)(x @ w)
+        remat.recompute_needs_tensor(y)
+        assert not remat.is_placeholder(tensor=y)
+        return y.sin()
+
+    traced = remat.trace_scope(function=block, name="scope")
+    hooks = remat.saved_tensors_hooks(
+        pack_hook=lambda t: seen.append(t.shape) or t, unpack_hook=lambda t: t
+    )
+    with hooks:
+        loss = remat.checkpoint(region_name="layers.0")(traced)(torch.randn(2, 4)).sum()
+    assert seen
+    # torch_remat's report signatures: roots= (a tensor or a list), file first
+    text = remat.format_saved_tensors_report(roots=loss)
+    assert text == remat.format_saved_tensors_report(roots=[loss])
+    assert text == remat.format_saved_tensors_report(loss)
+    assert remat.saved_tensors_summary(roots=loss) == remat.saved_tensors_summary(loss)
+    out = io.StringIO()
+    remat.print_saved_tensors_report(roots=loss, file=out)
+    assert out.getvalue() == text + "\n"
+    out = io.StringIO()
+    remat.print_current_memory_report(out)  # outside a checkpoint: says so
+    assert out.getvalue().strip() == remat.format_current_memory_report(None).strip()
+    loss.backward()
+    assert w.grad is not None
