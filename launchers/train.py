@@ -74,10 +74,15 @@ class TrainConfig:
     """Remat policy per block: full | attention | mlp | every2 | none."""
     collectives: str = "replay"
     """How collectives inside a checkpoint behave on replay: replay | save."""
+    compile: bool = False
+    """torch.compile each block on its own (fullgraph, as torchtitan), after remat."""
     device: str = "auto"
     """auto (CUDA + NCCL when GPUs are present) | cpu | cuda."""
     report_json: str | None = None
     """Write the cross-rank report, peak memory and losses here (rank 0)."""
+    memory_budget: str | None = None
+    """Activation bytes per rank (e.g. 512MiB, 2GiB): replaces --remat with a
+    MemoryBudget plan measured in step 1 and applied from step 2."""
 
 
 class LaunchError(Exception):
@@ -143,8 +148,19 @@ def validate(cfg: TrainConfig, world: int) -> str:
         raise LaunchError(
             "--sequence-parallel needs --tp > 1 and --seq divisible by --tp."
         )
+    if cfg.compile and cfg.memory_budget is not None:
+        raise LaunchError(
+            "--compile with --memory-budget is not supported: the budget re-plans the "
+            "blocks after step 1, and compiled blocks keep the graphs of step 1. Use "
+            "--compile with --remat."
+        )
     if not 0.0 <= cfg.dropout < 1.0:
         raise LaunchError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.memory_budget is not None:
+        try:
+            remat.MemoryBudget(bytes=cfg.memory_budget)
+        except remat.RematUsageError as e:
+            raise LaunchError(f"--memory-budget: {e}") from None
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise LaunchError("--device cuda was given but no CUDA GPU is visible.")
     if cfg.device == "auto":
@@ -208,8 +224,13 @@ def build(cfg: TrainConfig, world: int, device_type: str) -> tuple[GPT, Any]:
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else None
     model = GPT(config, device=device)
     policy = REMAT_POLICIES[cfg.remat]
+    if cfg.memory_budget is not None:
+        policy = remat.MemoryBudget(bytes=cfg.memory_budget)
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy, collectives=cfg.collectives)
+    if cfg.compile:  # per block, after remat and before sharding (torchtitan's order)
+        for block in model.layers:
+            block.compile(fullgraph=True)
     remat.shard_model(model, mesh, blocks=Block, tp_plan=tp_plan)
     return model, mesh
 
@@ -230,7 +251,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
         log(
             rank,
             f"GPT {cfg.layers}x{cfg.dim}, mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}"
-            f" ({device_type}, {dist.get_backend()}), remat {cfg.remat}, collectives "
+            f" ({device_type}, {dist.get_backend()}), remat {cfg.remat if cfg.memory_budget is None else 'budget ' + cfg.memory_budget}, collectives "
             f"{cfg.collectives}, {n_params:,} local params on rank 0",
         )
     # dropout masks differ per data-parallel rank and agree across its TP peers
@@ -253,6 +274,8 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         losses.append(mean.item())
+        if step == 1 and cfg.memory_budget is not None and rank == 0:
+            log(rank, "memory budget plan (from step 2): " + remat.current_plan(model).format())
         if rank == 0:
             log(
                 rank,
@@ -282,6 +305,10 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
                         "peak_memory_bytes": peaks,
                         "peak_memory_kind": kind,
                         "losses": losses,
+                        "memory_budget_plan": (
+                            None if cfg.memory_budget is None
+                            else dataclasses.asdict(remat.current_plan(model))
+                        ),
                     },
                     f,
                     indent=2,

@@ -43,8 +43,10 @@ from remat_dist.errors import (
     RematUsageError,
 )
 from remat_dist.fsdp import (
+    MemoryBudget,
     TensorParallelPlan,
     apply_remat,
+    current_plan,
     reference_tp_plan,
     remat_plan,
     remove_remat,
@@ -68,7 +70,8 @@ from remat_dist.report import (
     trace_scope,
 )
 
-# API.md lists the cross-rank report under remat_dist.distributed too. It is built
+# The API contract lists the cross-rank report under remat_dist.distributed too
+# (docs/api_contract.md). It is built
 # in remat_dist.report, a layer above; this composition root, which imports both,
 # attaches it there, so no import points upward.
 _distributed.CrossRankReport = CrossRankReport
@@ -80,8 +83,10 @@ __all__ = [
     "check_plan_consistency",
     "set_replay_timeout",
     "mark_step",
+    "MemoryBudget",
     "TensorParallelPlan",
     "apply_remat",
+    "current_plan",
     "reference_tp_plan",
     "remat_plan",
     "remove_remat",

@@ -59,6 +59,8 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "apply_remat",
             "remove_remat",
             "remat_plan",
+            "MemoryBudget",
+            "current_plan",
             "shard_model",
             "reference_tp_plan",
             "TensorParallelPlan",

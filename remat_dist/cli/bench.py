@@ -8,7 +8,10 @@ is noisy, absolute times vary, ratios measured in one run do not.
 Per variant:
 - ``saved_bytes``: what backward will need after forward (unique storages seen by an
   outermost ``remat_dist.saved_tensors_hooks``, which also sees checkpoint inputs,
-  save-region saves and persisted outputs; parameters excluded);
+  ``torch.utils.checkpoint``'s included, save-region saves and persisted outputs;
+  parameters excluded; the selective variant's cached matmul outputs are not seen:
+  read ``live_after_forward_bytes`` for it). Single process: no collective outputs
+  are kept; the distributed table counts those (bench_dist.py);
 - ``live_after_forward_bytes``: activation bytes alive right after forward, measured
   independently of hooks (selective checkpointing keeps its saves where hooks cannot
   see them: read this column for it);
@@ -398,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         from remat_dist.cli.bench_scale import main as scale_main
 
         return scale_main([a for a in argv if a != "--scale"])
+    if "--budget" in argv:
+        from remat_dist.cli.bench_budget import main as budget_main
+
+        return budget_main([a for a in argv if a != "--budget"])
     parser = argparse.ArgumentParser(
         prog="python -m remat_dist bench", description=__doc__.split("\n")[0]
     )
@@ -420,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scale", action="store_true",
         help="run the store-round scale simulation instead (bench --scale --help)",
+    )
+    parser.add_argument(
+        "--budget", action="store_true",
+        help="run the MemoryBudget sweep on gloo ranks instead (bench --budget --help)",
     )
     args = parser.parse_args(argv)
     cfg = BenchConfig(

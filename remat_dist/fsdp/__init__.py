@@ -18,16 +18,21 @@ outside the checkpoint and remat adds no parameter all-gather in backward.
 
 from remat_dist.fsdp._apply import BlockRemat, apply_remat, remat_plan, remove_remat
 from remat_dist.fsdp._blocks import BlockSelector
+from remat_dist.fsdp._budget import BlockPlan, BudgetPlan, MemoryBudget, current_plan
 from remat_dist.fsdp._policy import RematPolicy
 from remat_dist.fsdp._shard import shard_model
 from remat_dist.fsdp._tp_plan import TensorParallelPlan, reference_tp_plan
 
 __all__ = [
+    "BlockPlan",
     "BlockRemat",
     "BlockSelector",
+    "BudgetPlan",
+    "MemoryBudget",
     "RematPolicy",
     "TensorParallelPlan",
     "apply_remat",
+    "current_plan",
     "reference_tp_plan",
     "remat_plan",
     "remove_remat",

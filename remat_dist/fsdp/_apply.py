@@ -39,6 +39,7 @@ the checks that refuse a layout before anything changes, and the public calls.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from remat_dist.core import RecomputeStateHook, checkpoint
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
+from remat_dist.fsdp._budget import MemoryBudget, attach_budget, detach_budget
 from remat_dist.fsdp._patch import (
     BLOCK_ATTR,
     REGION_ATTR,
@@ -150,8 +152,10 @@ def apply_remat(
         blocks: module classes, a predicate ``(qualified_name, module) -> bool``,
             or fully qualified names (see ``remat_dist.fsdp._blocks``).
         policy: what each checkpoint keeps (see ``remat_dist.fsdp._policy``):
-            ``"full"``, ``{"attention": "save"}``, ``{"every": k}`` / ``k``, or a
-            callable.
+            ``"full"``, ``{"attention": "save"}``, ``{"every": k}`` / ``k``, a
+            callable, or a :class:`MemoryBudget` (profile the first step, then
+            keep what fits the budget at the least recompute time; see
+            ``remat_dist.fsdp._budget``).
         recompute_state_hooks: ``recompute_state_hooks`` of every checkpoint
             (None: the checkpoint's default set, this rank's RNG with a process
             group, the CPU generator in one process; ``()``: none).
@@ -242,6 +246,10 @@ def apply_remat(
             fix="pass the same blocks to apply_remat as to shard_model/fully_shard.",
         )
 
+    budget = policy if isinstance(policy, MemoryBudget) else None
+    if budget is not None:
+        # profiled in the first step with full recompute, then planned (_budget)
+        policy = "full"
     plans: list[tuple[str, nn.Module, dict[str, str]]] = []
     if STEP_HOOK_ATTR not in model.__dict__:
         # Every rank takes part in each step's plan agreement, also one whose
@@ -262,6 +270,34 @@ def apply_remat(
                     "policy."
                 )
         plans.append((name, module, regions))
+    install = functools.partial(
+        _install_plans,
+        hooks=hooks,
+        collectives=collectives,
+        determinism_check=determinism_check,
+    )
+    if budget is not None:
+        # before anything changes: a bad region list fails here
+        attach = attach_budget(
+            model, selected, budget, install=install, state_hooks=hooks,
+            collectives=collectives,
+        )
+        install(plans)
+        attach()
+        return model
+    install(plans)
+    return model
+
+
+def _install_plans(
+    plans: list[tuple[str, nn.Module, dict[str, str]]],
+    *,
+    hooks: tuple[RecomputeStateHook, ...] | None,
+    collectives: str,
+    determinism_check: str,
+) -> None:
+    """Checkpoint each ``(name, block, regions)`` of ``plans`` (``apply_remat``'s
+    last step; the memory-budget planner calls it again with its plan)."""
     # Build every checkpoint first: a bad option fails before anything changes.
     built = []
     for name, module, regions in plans:
@@ -284,7 +320,6 @@ def apply_remat(
         install_block(module, spec)
         for path, mode in regions.items():
             install_region(module.get_submodule(path), path, mode, block=name)
-    return model
 
 
 def _mark_step(module: nn.Module, args: Any) -> None:
@@ -298,6 +333,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
     hook = model.__dict__.pop(STEP_HOOK_ATTR, None)
     if hook is not None:
         hook.remove()
+    detach_budget(model)
     for _, module in model.named_modules():
         uninstall(module)
     return model

@@ -26,6 +26,12 @@ Policies
     may combine ``"every"`` with submodule entries.
 a callable ``(qualified_name, module) -> "full" | "none" | dict``
     decided per block (the dict must not contain ``"every"``).
+``MemoryBudget(bytes=...)``
+    decided by measurement: the first step profiles every block's candidates
+    (full, each set of save regions, none) and the cheapest plan in recompute time
+    that fits the budget on every rank is applied from the next step
+    (``remat_dist.fsdp._budget``; ``apply_remat`` handles it, never
+    :func:`resolve_policy`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import strictly_inside
+from remat_dist.fsdp._budget import MemoryBudget
 
 __all__ = ["REGION_MODES", "RematPolicy", "resolve_policy"]
 
@@ -47,6 +54,7 @@ RematPolicy = Union[
     int,
     Mapping[str, Any],
     Callable[[str, nn.Module], Union[str, Mapping[str, str]]],
+    MemoryBudget,
 ]
 """What ``policy=`` accepts (see the module docstring)."""
 
@@ -56,6 +64,12 @@ def resolve_policy(
 ) -> dict[str, str] | None:
     """The region map for one block, or None to leave it alone."""
     where = f"remat_dist.apply_remat(policy=...) for block {name!r}"
+    if isinstance(policy, MemoryBudget):
+        raise RematUsageError(
+            f"{where}: a MemoryBudget decides for the whole model, not per block. "
+            "Fix: pass it as apply_remat(model, blocks=..., policy=MemoryBudget(...)), "
+            "not from a policy callable."
+        )
     if isinstance(policy, bool):
         raise RematUsageError(f"{where}: policy must not be a bool, got {policy!r}.")
     if isinstance(policy, int):
@@ -82,6 +96,8 @@ def resolve_policy(
         return _check_regions(regions, name, module)
     if callable(policy):
         decided = policy(name, module)
+        if isinstance(decided, MemoryBudget):
+            return resolve_policy(decided, index, name, module)  # raises
         if isinstance(decided, Mapping) and "every" in decided:
             raise RematUsageError(
                 f"{where}: the policy callable returned a dict with 'every'; a "

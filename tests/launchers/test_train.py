@@ -79,3 +79,31 @@ def test_bad_flag_and_missing_gpu_and_bare_python(monkeypatch, capsys):
     monkeypatch.delenv("RANK")
     assert train.main([]) == 2
     assert "run it with torchrun" in capsys.readouterr().err
+
+
+def test_memory_budget_flag(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "report.json"
+    proc = torchrun(
+        "--steps", "3", "--dim", "64", "--layers", "2", "--seq", "32",
+        "--memory-budget", "1MiB", "--report-json", str(out),
+    )
+    tail = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, tail
+    assert "[rank 0] memory budget plan (from step 2): budget 1.00 MiB" in proc.stdout, tail
+    plan = json.loads(out.read_text())["memory_budget_plan"]
+    assert plan["budget"] == 2**20 and plan["world_size"] == 2
+    assert plan["predicted_bytes"] <= 2**20
+    assert [b["name"] for b in plan["blocks"]] == ["layers.0", "layers.1"]
+    assert {"full", "none"} < set(plan["blocks"][0]["candidates"])
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(TRAIN.parent))
+    assert train.parse_args(["--memory-budget", "1.5GiB"]).memory_budget == "1.5GiB"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(["--memory-budget", "lots"]) == 2
+    assert "--memory-budget: remat_dist.MemoryBudget(bytes=...): cannot read 'lots'" in (
+        capsys.readouterr().err
+    )

@@ -1,0 +1,478 @@
+"""``apply_remat(policy=MemoryBudget(...))``: fit a byte budget, lose the least time.
+
+The life of a model under a budget (one state object on the model, see
+:class:`_BudgetState`):
+
+1. ``apply_remat`` checkpoints every selected block with full recompute and
+   attaches the planner (a forward pre-hook and a forward hook on the model).
+2. **Profiling step** (the first grad-enabled forward of the model). The step
+   trains normally: every block runs its full-recompute checkpoint, so the
+   gradients are those of any other plan. Before it does, each block also runs
+   *side passes* on its real inputs, whose graphs are dropped at once: one per
+   candidate (full recompute; each non-empty set of its save regions kept; no
+   checkpoint) under a saved-tensor counter, for the candidate's saved bytes, and a
+   few timed forwards with the regions timed apart, for recompute times. The RNG
+   states (the checkpoints' state hooks plus the CPU generator) are put back after
+   the side passes, so the real pass draws the same dropout masks. The model's
+   forward runs under a counter too (chained to any saved-tensor hooks of the
+   caller), which gives the bytes saved outside the blocks.
+3. At the end of that forward every rank sends its table to every other
+   (``all_gather``), takes per block and candidate the **maximum over ranks** of
+   bytes and of time, and solves the same knapsack (``_budget_solver``): every
+   rank computes the same plan from the same numbers, and the plans' digests are
+   compared once more (a :class:`PlanMismatchError` if they differ). An infeasible
+   budget is raised at the end of the profiling step's backward (or at the next
+   forward when no backward ran), naming the smallest feasible budget.
+4. When the profiling step's backward ends the plan is installed (the blocks'
+   checkpoints and save regions are rebuilt as a policy dict would build them;
+   blocks planned "none" lose their checkpoint); more micro-batches of the
+   profiling step run full recompute until then. The next grad-enabled forward is
+   counted once more, and a rank whose real bytes exceed the budget logs a warning.
+   From then on the plan is fixed; the per-step plan agreement
+   (``remat_dist.distributed._step``) checks each step as for any other policy.
+
+Cost of the profiling step: per block ``2**r + 1`` extra forwards under the counter
+(``r`` save regions; 5 with attention and MLP) and ``repeats`` timed ones, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat_dist._logging import get_logger
+from remat_dist.distributed import all_gather_objects, dist_ready
+from remat_dist.errors import PlanMismatchError, RematUsageError
+from remat_dist.fsdp._budget_profile import (
+    DEFAULT_REGION_NAMES,
+    Candidate,
+    Counter,
+    candidates,
+    human,
+    param_keys,
+    parse_bytes,
+    profile_block,
+)
+from remat_dist.fsdp._budget_solver import solve
+from remat_dist.fsdp._patch import BLOCK_ATTR, REGION_ATTR, uninstall
+
+__all__ = [
+    "BUDGET_ATTR",
+    "DEFAULT_REGION_NAMES",
+    "BlockPlan",
+    "BudgetPlan",
+    "MemoryBudget",
+    "attach_budget",
+    "current_plan",
+    "detach_budget",
+    "parse_bytes",
+]
+
+log = get_logger(__name__)
+
+BUDGET_ATTR = "_remat_dist_budget"
+"""Instance attribute of a model under a :class:`MemoryBudget`: its planner state."""
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A policy for :func:`apply_remat`: keep at most ``bytes`` of activations saved
+    for backward per rank, and recompute as little as possible.
+
+    The planner measures every candidate of every block on every rank in the first
+    training step, then chooses the plan of least recompute time that fits the
+    budget on the rank that needs most, the same plan on every rank (see
+    ``docs/memory_budget.md``)::
+
+        apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
+
+    Raises :class:`RematUsageError` for a byte count it cannot read or a negative
+    one; ``apply_remat`` raises for regions a block does not have (naming the
+    block and its submodules).
+    """
+
+    bytes: int | str
+    """The budget per rank: activation bytes saved for backward during the model's
+    forward call, as ``remat_dist.testing.SavedBytesCounter`` counts them around
+    ``model(batch)`` (unique storages, parameters excluded; a loss computed outside
+    the model is not included). An int, or a string with a suffix (``"1.5GiB"``,
+    ``"512MiB"``, ``"2GB"``); stored as an int."""
+    regions: Sequence[str] | None = None
+    """Submodule paths (relative to each block) that may be kept as save regions:
+    every non-empty subset is a candidate, besides full recompute and no checkpoint
+    (at most 4). None: the block's direct children named in
+    ``DEFAULT_REGION_NAMES`` (``attention``, ``attn``, ``self_attn``, ``mlp``,
+    ``feed_forward``, ``ffn``). ``()``: only full recompute or nothing."""
+    repeats: int = 3
+    """Timed forwards per block in the profiling step; the minimum is kept (the
+    least noisy estimate on a busy machine)."""
+
+    def __post_init__(self) -> None:
+        try:
+            value = parse_bytes(self.bytes)
+        except ValueError as e:
+            raise RematUsageError(f"remat_dist.MemoryBudget(bytes=...): {e}") from None
+        if value < 0:
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(bytes={self.bytes!r}): the budget must not be "
+                "negative."
+            )
+        object.__setattr__(self, "bytes", value)
+        if self.regions is not None:
+            if isinstance(self.regions, str):
+                object.__setattr__(self, "regions", (self.regions,))
+            object.__setattr__(self, "regions", tuple(self.regions))
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
+            )
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The planner's decision for one block (see :func:`current_plan`).
+
+    Attributes:
+        name: the block's qualified name.
+        decision: ``"full"``, ``"none"`` (no checkpoint) or ``"save a+b"`` (the
+            checkpoint keeps submodules ``a`` and ``b`` as save regions).
+        regions: the policy dict it stands for (``{}`` for full, None for none).
+        bytes: saved bytes of this decision, maximum over ranks.
+        time_s: recompute time of this decision in backward, maximum over ranks.
+        candidates: ``{decision: (bytes, time_s)}`` of every candidate measured.
+    """
+
+    name: str
+    decision: str
+    regions: dict[str, str] | None
+    bytes: int
+    time_s: float
+    candidates: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class BudgetPlan:
+    """What the planner chose for a model, and from which numbers.
+
+    Attributes:
+        budget: the budget in bytes.
+        blocks: per block, in model order.
+        outside_bytes: bytes saved outside the blocks (embeddings, final norm, head),
+            maximum over ranks.
+        predicted_bytes: ``outside_bytes`` plus the blocks' bytes: what the rank
+            that needs most should save.
+        predicted_time_s: the blocks' recompute times summed (the objective).
+        world_size: ranks the measurements came from (1 without a process group).
+        measured_bytes: this rank's saved bytes in the first step under the plan
+            (None until that step's forward ran).
+    """
+
+    budget: int
+    blocks: list[BlockPlan]
+    outside_bytes: int
+    predicted_bytes: int
+    predicted_time_s: float
+    world_size: int = 1
+    measured_bytes: int | None = None
+
+    def decisions(self) -> dict[str, str]:
+        """``{block name: decision}``."""
+        return {b.name: b.decision for b in self.blocks}
+
+    def format(self) -> str:
+        """A few lines for logs: budget, totals, one line per block."""
+        head = (
+            f"budget {human(self.budget)}: predicted {human(self.predicted_bytes)} "
+            f"saved per rank (outside blocks {human(self.outside_bytes)}), recompute "
+            f"{self.predicted_time_s * 1e3:.2f} ms per step, over {self.world_size} rank(s)"
+        )
+        rows = [
+            f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
+            for b in self.blocks
+        ]
+        return "\n".join([head, *rows])
+
+
+# -- the state on the model -------------------------------------------------------
+
+
+@dataclass
+class _BudgetState:
+    budget: MemoryBudget
+    blocks: list[tuple[str, nn.Module]]
+    candidates: list[list[Candidate]]
+    install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None]
+    state_hooks: tuple[Any, ...] | None
+    collectives: str
+    phase: str = "profile"  # profile | profiling | pending | verify | planned | failed
+    counter: Counter | None = None
+    params: set[Any] = field(default_factory=set)
+    table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
+    plan: BudgetPlan | None = None
+    error: str | None = None
+    handles: list[Any] = field(default_factory=list)
+
+
+def attach_budget(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    budget: MemoryBudget,
+    *,
+    install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None],
+    state_hooks: tuple[Any, ...] | None,
+    collectives: str,
+) -> Callable[[], None]:
+    """Check the budget's regions against ``blocks`` (raising before anything
+    changes) and return the call that attaches the planner, once ``apply_remat``
+    has checkpointed every block with full recompute. ``install(plans)`` rebuilds
+    checkpoints (``(name, block, regions)`` each) as ``apply_remat`` does."""
+    if BUDGET_ATTR in model.__dict__:
+        raise RematUsageError(
+            "remat_dist.apply_remat: the model already has a MemoryBudget. Fix: call "
+            "remat_dist.fsdp.remove_remat(model) first."
+        )
+    cands = [candidates(name, module, budget.regions) for name, module in blocks]
+    state = _BudgetState(budget, list(blocks), cands, install, state_hooks, collectives)
+
+    def attach() -> None:
+        model.__dict__[BUDGET_ATTR] = state
+        state.handles = [
+            model.register_forward_pre_hook(_pre_hook, prepend=True),
+            model.register_forward_hook(_post_hook, always_call=True),
+        ]
+        for index, (_, module) in enumerate(blocks):
+            spec = module.__dict__[BLOCK_ATTR]
+            spec.run = _profiled(state, index, spec.run)
+
+    return attach
+
+
+def detach_budget(model: nn.Module) -> None:
+    """Forget the planner (``remove_remat``); the checkpoints are removed apart."""
+    state = model.__dict__.pop(BUDGET_ATTR, None)
+    if state is not None:
+        state.phase = "removed"  # a plan pending at the end of a backward: dropped
+        for h in state.handles:
+            h.remove()
+
+
+def current_plan(model: nn.Module) -> BudgetPlan | None:
+    """The plan a :class:`MemoryBudget` chose for ``model``: per block the decision,
+    its bytes and its recompute time (maxima over ranks). None before the profiling
+    step's forward has ended. Raises :class:`RematUsageError` when ``model`` has no
+    memory budget."""
+    state = model.__dict__.get(BUDGET_ATTR)
+    if state is None:
+        raise RematUsageError(
+            f"remat_dist.current_plan: {type(model).__name__} has no MemoryBudget. "
+            "Fix: apply_remat(model, blocks=..., policy=MemoryBudget(bytes=...))."
+        )
+    return state.plan
+
+
+# -- hooks ------------------------------------------------------------------------
+
+
+def _pre_hook(model: nn.Module, args: Any) -> None:
+    state: _BudgetState = model.__dict__[BUDGET_ATTR]
+    if not torch.is_grad_enabled():
+        return
+    if state.phase == "failed":
+        raise RematUsageError(state.error)
+    # "pending": the profiling step's backward has not ended (more micro-batches
+    # of that step): they run full recompute, like its first forward.
+    if state.phase in ("profile", "verify"):
+        if state.phase == "profile":
+            state.phase = "profiling"
+            state.table = [{} for _ in state.blocks]
+        state.params = param_keys(model)
+        state.counter = Counter(state.params, chain=True)
+        state.counter.__enter__()
+
+
+def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
+    state: _BudgetState = model.__dict__[BUDGET_ATTR]
+    counter, state.counter = state.counter, None
+    if counter is None:
+        return
+    counter.__exit__(None, None, None)
+    if state.phase == "verify":
+        state.phase = "planned"
+        assert state.plan is not None
+        state.plan.measured_bytes = counter.total
+        if counter.total > state.budget.bytes:
+            log.warning(
+                "MemoryBudget: this rank saved %s in the first step under the plan, "
+                "over the budget of %s (predicted %s): the blocks share storages "
+                "with the rest of the model, which per-block measurement misses.",
+                human(counter.total), human(state.budget.bytes),
+                human(state.plan.predicted_bytes),
+            )
+        return
+    if state.phase != "profiling":
+        return
+    if any("full" not in row for row in state.table):  # the forward raised
+        state.phase = "profile"  # profile the next step instead
+        return
+    full = sum(row["full"][0] for row in state.table)
+    outside = max(0, counter.total - full)
+    try:
+        _plan(state, outside)
+    except RematUsageError as e:
+        state.phase = "failed"
+        state.error = str(e)
+        message = state.error
+
+        def fail() -> None:
+            raise RematUsageError(message)
+
+        if not _at_end_of_backward(output, fail):
+            fail()
+        return
+    state.phase = "pending"
+    if not _at_end_of_backward(output, functools.partial(_install_plan, state)):
+        _install_plan(state)  # no backward will come
+
+
+def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` when the backward through ``output`` ends, after everything
+    else that backward queued (the step's end-of-backward report); False when no
+    output tensor requires grad (no backward will run through it)."""
+    leaves = output if isinstance(output, (tuple, list)) else (output,)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return False
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    fired = []
+
+    def at_start(grad: torch.Tensor) -> None:
+        if not fired:
+            fired.append(True)
+            # queued from a callback: runs after the callbacks queued during the
+            # backward (the step's report), at the very end of the step
+            queue(lambda: queue(fn))
+
+    tensors[0].register_hook(at_start)
+    return True
+
+
+# -- profiling --------------------------------------------------------------------
+
+
+def _profiled(state: _BudgetState, index: int, run: Any) -> Any:
+    def profiled_run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if state.phase == "profiling" and torch.is_grad_enabled():
+            state.table[index] = profile_block(
+                state.blocks[index][0], module, state.candidates[index], args, kwargs,
+                params=state.params, state_hooks=state.state_hooks,
+                collectives=state.collectives, repeats=state.budget.repeats,
+            )
+        return run(module, *args, **kwargs)
+
+    return profiled_run
+
+
+# -- planning ---------------------------------------------------------------------
+
+
+def _plan(state: _BudgetState, outside: int) -> None:
+    labels = [[c.label for c in cands] for cands in state.candidates]
+    mine = {
+        "outside": outside,
+        "labels": labels,
+        "table": [[list(row[label]) for label in ls] for row, ls in zip(state.table, labels)],
+    }
+    ranks = all_gather_objects(mine) if dist_ready() else [mine]
+    for r, theirs in enumerate(ranks):
+        if theirs["labels"] != labels:
+            raise PlanMismatchError(
+                f"remat_dist.MemoryBudget: rank {r} has other candidates than this "
+                f"rank ({theirs['labels']} vs {labels}): the blocks or their "
+                "submodules differ across ranks. Fix: build the same model on every rank."
+            )
+    outside_max = max(r["outside"] for r in ranks)
+    costs = [
+        [
+            (max(int(r["table"][b][c][0]) for r in ranks),
+             max(float(r["table"][b][c][1]) for r in ranks))
+            for c in range(len(labels[b]))
+        ]
+        for b in range(len(labels))
+    ]
+    budget = state.budget.bytes
+    smallest = outside_max + sum(min(w for w, _ in block) for block in costs)
+    if budget < smallest:
+        per_rank = [
+            r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"])
+            for r in ranks
+        ]
+        worst = max(range(len(ranks)), key=lambda i: per_rank[i])
+        who = f"rank {worst} needs most: {per_rank[worst]:,} bytes, " if len(ranks) > 1 else ""
+        raise RematUsageError(
+            f"remat_dist.MemoryBudget: a budget of {budget:,} bytes ({human(budget)}) "
+            f"cannot be met: the smallest feasible budget is {smallest:,} bytes "
+            f"({human(smallest)}), every block recomputed in full ({who}{outside_max:,} "
+            "bytes of it outside the blocks). The gradients of this profiling "
+            "step are right, but do "
+            f"not go on with this budget. Fix: MemoryBudget(bytes={smallest}) or more, "
+            "a smaller batch per rank, or finer blocks."
+        )
+    everything = outside_max + sum(block[-1][0] for block in costs)
+    if budget >= everything:
+        choice = [len(block) - 1 for block in costs]  # "none" is listed last
+    else:
+        found = solve(costs, budget - outside_max)
+        assert found is not None  # feasible: checked above
+        choice = found
+    blocks = []
+    for b, ((name, _), cands) in enumerate(zip(state.blocks, state.candidates)):
+        cand = cands[choice[b]]
+        w, t = costs[b][choice[b]]
+        regions = None if cand.regions is None else {p: "save" for p in cand.regions}
+        blocks.append(BlockPlan(
+            name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
+            candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
+        ))
+    plan = BudgetPlan(
+        budget=budget,
+        blocks=blocks,
+        outside_bytes=outside_max,
+        predicted_bytes=outside_max + sum(b.bytes for b in blocks),
+        predicted_time_s=sum(b.time_s for b in blocks),
+        world_size=len(ranks),
+    )
+    if dist_ready():
+        digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
+        digests = all_gather_objects(digest)
+        if len(set(digests)) > 1:
+            raise PlanMismatchError(
+                "remat_dist.MemoryBudget: the ranks chose different plans from the "
+                f"same measurements (digests by rank: {digests}). This is a bug: "
+                "please report it with the REMAT_DIST_LOG=info output of every rank."
+            )
+    state.plan = plan
+    log.info("MemoryBudget plan, applied from the next step:\n%s", plan.format())
+
+
+def _install_plan(state: _BudgetState) -> None:
+    """Rebuild the blocks' checkpoints as the plan says; the next grad-enabled
+    forward is counted once more (``BudgetPlan.measured_bytes``)."""
+    plan = state.plan
+    assert plan is not None
+    if state.phase != "pending":
+        return
+    state.phase = "verify"
+    plans = []
+    for (name, module), bp in zip(state.blocks, plan.blocks):
+        for _, sub in module.named_modules():
+            if REGION_ATTR in sub.__dict__ or BLOCK_ATTR in sub.__dict__:
+                uninstall(sub)
+        if bp.regions is not None:
+            plans.append((name, module, dict(bp.regions)))
+    state.install(plans)

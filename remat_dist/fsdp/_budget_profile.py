@@ -1,0 +1,331 @@
+"""The memory-budget planner's measurements: saved bytes and recompute time of each
+candidate of a block, taken in the profiling step (see ``remat_dist.fsdp._budget``).
+
+* :class:`Counter` counts saved bytes as ``remat_dist.testing.SavedBytesCounter``
+  does (unique storages, parameters apart); around the model's forward it chains to
+  the caller's saved-tensor hooks, around a side pass it keeps what it sees.
+* :func:`profile_block` runs the side passes of one block on its real inputs, with
+  the RNG states put back after them, and returns ``{decision: (bytes, seconds)}``.
+* :func:`candidates` lists a block's decisions; :func:`parse_bytes` reads
+  ``"1.5GiB"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat_dist.core import (
+    checkpoint,
+    current_saved_tensor_info,
+    plain,
+    saved_tensors_hooks,
+)
+from remat_dist.distributed import CPURNGStateHook, default_state_hooks
+from remat_dist.errors import RematUsageError
+from remat_dist.fsdp._patch import call_block, install_region, uninstall
+
+__all__ = [
+    "DEFAULT_REGION_NAMES",
+    "MAX_REGIONS",
+    "Candidate",
+    "Counter",
+    "candidates",
+    "human",
+    "param_keys",
+    "parse_bytes",
+    "profile_block",
+]
+
+DEFAULT_REGION_NAMES = ("attention", "attn", "self_attn", "mlp", "feed_forward", "ffn")
+"""Direct submodules of a block taken as save regions when ``regions`` is None."""
+
+MAX_REGIONS = 4
+"""Most save regions per block (candidates grow as ``2**regions``)."""
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"1.5GiB"``, ``"512 MiB"``, ``"1e6"``, ``"4096"`` or an int -> bytes (int).
+
+    Binary (``KiB``, ``MiB``, ``GiB``, ``TiB``) and decimal (``KB``, ``MB``, ...)
+    suffixes, case-insensitive. Raises ``ValueError`` naming the text otherwise.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"a byte count must be an int or a string, got {text!r}")
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a byte count: use an int or a number with a "
+            "suffix KiB, MiB, GiB, TiB (or KB, MB, GB, TB), e.g. '1.5GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def human(n: int) -> str:
+    """``n`` bytes for people: ``"1.50 GiB"``, ``"512 B"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+class Counter:
+    """Counts saved bytes as ``SavedBytesCounter`` does (unique storages, parameters
+    apart). ``chain=True``: then hands each tensor to the saved-tensor hooks that
+    were innermost when it was entered (the caller's offloading or counting keeps
+    working during the step it measures); otherwise it keeps the tensor itself."""
+
+    def __init__(self, params: set[Any], *, chain: bool) -> None:
+        self._params = params
+        self.activations: dict[Any, int] = {}
+        self._outer: Any = None
+        if chain:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None:
+                pack, unpack = top
+                owner = getattr(pack, "__self__", None)
+                self._outer = owner if isinstance(owner, saved_tensors_hooks) else (pack, unpack)
+        self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        local = plain(t)
+        key = (local.device, local.untyped_storage()._cdata)
+        if key not in self._params and not isinstance(local, nn.Parameter):
+            self.activations[key] = local.untyped_storage().nbytes()
+        outer = self._outer
+        if outer is None:
+            return t.detach()
+        if isinstance(outer, saved_tensors_hooks):
+            return outer.pack_with(t, current_saved_tensor_info())
+        return outer[0](t)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        outer = self._outer
+        if outer is None:
+            return packed
+        if isinstance(outer, saved_tensors_hooks):
+            return outer.unpack_with(packed)
+        return outer[1](packed)
+
+    @property
+    def total(self) -> int:
+        return sum(self.activations.values())
+
+    def __enter__(self) -> Counter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def param_keys(model: nn.Module) -> set[Any]:
+    """The parameter storages ``SavedBytesCounter(model.parameters())`` would set
+    apart if built before the forward. Inside an FSDP2 forward the unsharded
+    parameters are plain tensors standing in for the sharded DTensors: a counter
+    built outside the forward does not know their storages (it counts saved views
+    of them as activations), so neither does this one."""
+    fsdp = _fsdp_module_type()
+    sharded = fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+    keys = set()
+    for p in model.parameters():
+        if sharded and not _is_dtensor(p):
+            continue
+        local = plain(p)
+        keys.add((local.device, local.untyped_storage()._cdata))
+    return keys
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    label: str
+    regions: tuple[str, ...] | None  # None: no checkpoint; (): full recompute
+
+
+def candidates(name: str, block: nn.Module, regions: Sequence[str] | None) -> list[Candidate]:
+    if regions is None:
+        children = dict(block.named_children())
+        paths = [n for n in DEFAULT_REGION_NAMES if n in children]
+    else:
+        paths = list(regions)
+        for path in paths:
+            try:
+                block.get_submodule(path)
+            except AttributeError:
+                subs = [n for n, _ in block.named_modules() if n][:12]
+                raise RematUsageError(
+                    f"remat_dist.MemoryBudget(regions=...): block {name!r} "
+                    f"({type(block).__name__}) has no submodule {path!r}. Its "
+                    f"submodules: {', '.join(subs)}. Fix: name paths relative to the "
+                    "block, or regions=() for full recompute or nothing."
+                ) from None
+        for a in paths:
+            for b in paths:
+                if a != b and b.startswith(a + "."):
+                    raise RematUsageError(
+                        f"remat_dist.MemoryBudget(regions=...): in block {name!r}, "
+                        f"{b!r} lies inside {a!r}; a save region covers its "
+                        "submodules. Fix: list one of them."
+                    )
+    if len(paths) > MAX_REGIONS:
+        raise RematUsageError(
+            f"remat_dist.MemoryBudget: block {name!r} has {len(paths)} save regions "
+            f"{paths}; at most {MAX_REGIONS} (candidates grow as 2**regions). Fix: "
+            "pass regions=... with the largest submodules."
+        )
+    out = [Candidate("full", ())]
+    for k in range(1, len(paths) + 1):
+        for subset in itertools.combinations(paths, k):
+            out.append(Candidate("save " + "+".join(subset), tuple(subset)))
+    out.append(Candidate("none", None))
+    return out
+
+
+def _rng_hooks(state_hooks: Sequence[Any] | None) -> list[Any]:
+    hooks = list(default_state_hooks(cpu=True))
+    hooks.append(CPURNGStateHook())
+    hooks.extend(state_hooks or ())
+    return hooks
+
+
+def profile_block(
+    name: str,
+    module: nn.Module,
+    cands: list[Candidate],
+    args: tuple,
+    kwargs: dict,
+    *,
+    params: set[Any],
+    state_hooks: tuple[Any, ...] | None,
+    collectives: str,
+    repeats: int,
+) -> dict[str, tuple[int, float]]:
+    """``{decision: (saved bytes, recompute seconds)}`` of each candidate of block
+    ``name``, from side passes on its real inputs (their graphs dropped at once);
+    the RNG states are as they were when it returns."""
+    hooks = _rng_hooks(state_hooks)
+    snaps = [h.snapshot() for h in hooks]
+
+    def restore() -> None:
+        for h, s in zip(hooks, snaps):
+            h.restore(s)
+
+    row: dict[str, tuple[int, float]] = {}
+    try:
+        run = checkpoint(
+            region_name=f"{name}[budget profile]",
+            recompute_state_hooks=state_hooks,
+            collectives=collectives,
+        )(call_block)
+        for cand in cands:
+            restore()
+            with Counter(params, chain=False) as count:
+                if cand.regions is None:
+                    out = call_block(module, *args, **kwargs)
+                else:
+                    for path in cand.regions:
+                        install_region(module.get_submodule(path), path, "save", block=name)
+                    try:
+                        out = run(module, *args, **kwargs)
+                    finally:
+                        for path in cand.regions:
+                            uninstall(module.get_submodule(path))
+            del out
+            row[cand.label] = (count.total, 0.0)
+        paths = sorted({p for c in cands for p in (c.regions or ())})
+        block_s, region_s = _time_block(module, paths, args, kwargs, restore, repeats)
+    finally:
+        restore()
+    for cand in cands:
+        if cand.regions is None:
+            t = 0.0
+        else:
+            t = max(0.0, block_s - sum(region_s[p] for p in cand.regions))
+        row[cand.label] = (row[cand.label][0], t)
+    return row
+
+
+def _time_block(
+    module: nn.Module,
+    paths: list[str],
+    args: tuple,
+    kwargs: dict,
+    restore: Any,
+    repeats: int,
+) -> tuple[float, dict[str, float]]:
+    """Minimum over ``repeats`` of the block's grad-enabled forward time (what a
+    replay runs) and of each region's calls inside it."""
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # CPU: this process's CPU time, blind to other processes sharing the cores
+    # (a busy machine); an accelerator: wall time after a device sync.
+    clock = time.perf_counter if cuda else time.process_time
+    starts: dict[str, float] = {}
+    region_s = {p: float("inf") for p in paths}
+    block_s = float("inf")
+    current: dict[str, float] = {}
+    handles = []
+    for path in paths:
+        sub = module.get_submodule(path)
+
+        def pre(m: nn.Module, a: Any, path: str = path) -> None:
+            sync()
+            starts[path] = clock()
+
+        def post(m: nn.Module, a: Any, o: Any, path: str = path) -> None:
+            sync()
+            current[path] = current.get(path, 0.0) + clock() - starts[path]
+
+        handles.append(sub.register_forward_pre_hook(pre))
+        handles.append(sub.register_forward_hook(post))
+    try:
+        for _ in range(repeats):
+            restore()
+            current.clear()
+            sync()
+            t0 = clock()
+            # innermost identity hooks: the model's counter must not see this pass
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                out = call_block(module, *args, **kwargs)
+            sync()
+            block_s = min(block_s, clock() - t0)
+            del out
+            for p in paths:
+                region_s[p] = min(region_s[p], current.get(p, 0.0))
+    finally:
+        for h in handles:
+            h.remove()
+    return block_s, region_s
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t

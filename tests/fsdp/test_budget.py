@@ -1,0 +1,291 @@
+"""``MemoryBudget``: single process. The solver against brute force, and the reference
+GPT (6 blocks, dropout) under three budgets between full recompute and no
+checkpointing: saved bytes within the budget, gradients bitwise those of no
+checkpointing (the profiling step's too), a larger budget never gives a slower plan.
+
+The distributed half (2 gloo ranks, unequal batches) is tests/fsdp/test_budget_dist.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat_dist as remat
+from remat_dist.errors import RematUsageError
+from remat_dist.fsdp import apply_remat, current_plan, remat_plan, remove_remat
+from remat_dist.fsdp._budget import BUDGET_ATTR, parse_bytes
+from remat_dist.fsdp._budget_solver import brute_force, plan_cost, solve
+from remat_dist.models import GPT, Block, GPTConfig, make_batch
+from remat_dist.testing import SavedBytesCounter
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=6, dropout=0.1)
+STEPS = 3  # the profiling step and two under the plan
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops: one intra-op thread (two threads spinning on a shared 2-core
+    machine made these tests 20x slower); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- shared with test_budget_dist.py ---------------------------------------------
+
+
+def run_steps(model, batch, steps: int = STEPS, seed: int = 0):
+    """``steps`` forward+backward on ``batch`` (dropout reseeded per step): per step
+    the bytes a ``SavedBytesCounter`` saw around ``model(tokens)`` and the grads."""
+    tokens, targets = batch
+    out = []
+    for step in range(steps):
+        torch.manual_seed(seed * 100 + step)
+        with SavedBytesCounter(model.parameters()) as count:
+            logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            grads[name] = (g.to_local() if hasattr(g, "to_local") else g).clone()
+        model.zero_grad(set_to_none=True)
+        out.append((count.activation_bytes, grads))
+    return out
+
+
+def grads_equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def plan_time_on(plan, table) -> float:
+    """The recompute time of ``plan``'s decisions priced with another plan's
+    measurements (``table``: ``BudgetPlan``), summed in block order."""
+    return sum(b.candidates[d.decision][1] for b, d in zip(table.blocks, plan.blocks))
+
+
+def check_larger_budget_not_slower(plans) -> None:
+    """Budgets ascending. Bytes are deterministic (same model, same batch), so a
+    smaller budget's plan also fits a larger one: priced with the larger budget's
+    own measurements it can be no faster than the plan chosen there (the solver is
+    exact). Noise-free, unlike comparing wall times or times measured in different
+    runs on a busy 2-core machine."""
+    for k, big in enumerate(plans):
+        for small in plans[:k]:
+            assert small.predicted_bytes <= big.budget
+            assert plan_time_on(big, big) <= plan_time_on(small, big) + 1e-12
+
+
+# -- solver ------------------------------------------------------------------------
+
+
+def test_solver_equals_brute_force_on_random_tables():
+    rng = random.Random(0)
+    for trial in range(150):
+        n = rng.randint(1, 8)
+        k = rng.randint(2, 4) if n > 6 else rng.randint(2, 5)
+        costs = []
+        for _ in range(n):
+            block = sorted(
+                (rng.randint(0, 50) * rng.choice((1, 7, 1000)), rng.random()) for _ in range(k)
+            )
+            costs.append(block)
+        lo = sum(min(w for w, _ in b) for b in costs)
+        hi = sum(max(w for w, _ in b) for b in costs)
+        for cap in (lo - 1, lo, (lo + hi) // 3, (lo + hi) // 2, hi, hi + 5):
+            got, ref = solve(costs, cap), brute_force(costs, cap)
+            if ref is None:
+                assert got is None, (trial, cap)
+                continue
+            assert got is not None, (trial, cap)
+            assert plan_cost(costs, got)[0] <= cap
+            assert plan_cost(costs, got)[1] == plan_cost(costs, ref)[1], (trial, cap)
+
+
+def test_solver_thins_large_frontiers_and_stays_feasible(monkeypatch):
+    import remat_dist.fsdp._budget_solver as solver
+
+    monkeypatch.setattr(solver, "MAX_FRONTIER", 8)
+    rng = random.Random(1)
+    costs = [[(rng.randint(0, 10**6), rng.random()) for _ in range(4)] for _ in range(12)]
+    cap = sum(max(w for w, _ in b) for b in costs) // 2
+    got = solver.solve(costs, cap)
+    assert got is not None and plan_cost(costs, got)[0] <= cap
+
+
+# -- the reference GPT ---------------------------------------------------------------
+
+
+def _model(policy=None):
+    model = GPT(CFG)
+    if policy is not None:
+        apply_remat(model, blocks=Block, policy=policy)
+    return model
+
+
+def test_three_budgets_single_process(caplog):
+    batch = make_batch(CFG, 4, seed=0)
+    ref = run_steps(_model(), batch)
+    none_bytes = ref[0][0]
+    full_bytes = run_steps(_model("full"), batch, steps=1)[0][0]
+    assert full_bytes < none_bytes
+    plans = []
+    for frac in (0.25, 0.5, 0.75):
+        budget = int(full_bytes + frac * (none_bytes - full_bytes))
+        model = _model(remat.MemoryBudget(bytes=budget))
+        with caplog.at_level(logging.INFO, logger="remat_dist"):
+            runs = run_steps(model, batch)
+        plan = current_plan(model)
+        assert plan is not None and plan.budget == budget
+        assert "MemoryBudget plan, applied from the next step" in caplog.text
+        # the profiling step runs full recompute; then the plan
+        assert runs[0][0] == full_bytes
+        for step, ((saved, grads), (_, ref_grads)) in enumerate(zip(runs, ref)):
+            assert saved <= budget, (frac, step, saved, budget)
+            assert grads_equal(grads, ref_grads), (frac, step)
+        # one process: the prediction is exact, and what the planner counted
+        assert plan.measured_bytes == runs[1][0] == plan.predicted_bytes
+        # 25% of the way allows more than one block without checkpoint, 75% not all
+        decisions = {b.decision for b in plan.blocks}
+        assert decisions != {"full"} and decisions != {"none"}
+        kept = {n: s.regions for n, s in remat_plan(model).items()}
+        for b in plan.blocks:
+            assert (b.name in kept) == (b.decision != "none")
+            if b.regions:
+                assert kept[b.name] == b.regions
+        # optimal on its own measurements: brute force over all 5**6 plans
+        costs = [[b.candidates[label] for label in b.candidates] for b in plan.blocks]
+        cap = budget - plan.outside_bytes
+        best = brute_force(costs, cap)
+        chosen = [list(b.candidates).index(b.decision) for b in plan.blocks]
+        assert plan_cost(costs, chosen)[1] == plan_cost(costs, best)[1]
+        plans.append(plan)
+    # attention kept costs a third of no checkpoint's bytes for about half the
+    # time: some plan uses it (timing noise decides which blocks, not whether)
+    assert {b.decision for p in plans for b in p.blocks} - {"full", "none"}
+    check_larger_budget_not_slower(plans)
+    # and on one table the solver's optimum falls as the budget grows
+    table = plans[0]
+    costs = [[b.candidates[label] for label in b.candidates] for b in table.blocks]
+    times = [
+        plan_cost(costs, solve(costs, p.budget - table.outside_bytes))[1] for p in plans
+    ]
+    assert times == sorted(times, reverse=True), times
+
+
+def test_infeasible_budget_raises_at_end_of_profiling_step():
+    batch = make_batch(CFG, 4, seed=0)
+    model = _model(remat.MemoryBudget(bytes="10KiB"))
+    tokens, targets = batch
+    logits = model(tokens)  # the profiling forward itself completes
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    with pytest.raises(RematUsageError, match="smallest feasible budget is") as ei:
+        loss.backward()
+    assert all(p.grad is not None for p in model.parameters())  # the step's grads
+    smallest = int(str(ei.value).split("smallest feasible budget is ")[1].split()[0].replace(",", ""))
+    with pytest.raises(RematUsageError, match="smallest feasible budget"):
+        model(tokens)  # and every later step, until the budget changes
+    # the number named is feasible, exactly: full recompute everywhere
+    fit = _model(remat.MemoryBudget(bytes=smallest))
+    runs = run_steps(fit, batch)
+    assert set(current_plan(fit).decisions().values()) == {"full"}
+    assert all(saved <= smallest for saved, _ in runs)
+
+
+def test_budget_above_no_checkpointing_keeps_everything():
+    batch = make_batch(CFG, 2, seed=1)
+    ref = run_steps(_model(), batch, steps=2)
+    model = _model(remat.MemoryBudget(bytes=ref[0][0]))
+    runs = run_steps(model, batch, steps=2)
+    assert set(current_plan(model).decisions().values()) == {"none"}
+    assert remat_plan(model) == {}
+    assert runs[1][0] == ref[1][0]
+    assert grads_equal(runs[1][1], ref[1][1])
+
+
+def test_regions_override_and_errors():
+    model = _model(remat.MemoryBudget(bytes="1MiB", regions=["mlp"]))
+    assert current_plan(model) is None  # before the profiling step
+    run_steps(model, make_batch(CFG, 2, seed=0), steps=1)
+    assert list(current_plan(model).blocks[0].candidates) == ["full", "save mlp", "none"]
+    remove_remat(model)
+    assert BUDGET_ATTR not in model.__dict__ and remat_plan(model) == {}
+    with pytest.raises(RematUsageError, match="has no MemoryBudget"):
+        current_plan(model)
+    with pytest.raises(RematUsageError, match=r"block 'layers.0' \(Block\) has no submodule 'mlpp'"):
+        _model(remat.MemoryBudget(bytes=1, regions=("mlpp",)))
+    with pytest.raises(RematUsageError, match="cannot read '3 parsecs'"):
+        remat.MemoryBudget(bytes="3 parsecs")
+    with pytest.raises(RematUsageError, match="not per block"):
+        _model(lambda name, module: remat.MemoryBudget(bytes=1))
+    # a forward that raises during the profiling step leaves no hooks behind and
+    # the next step profiles instead
+    model = _model(remat.MemoryBudget(bytes="1MiB"))
+    with pytest.raises(ValueError, match="exceeds GPTConfig.seq_len"):
+        model(torch.zeros(1, CFG.seq_len + 1, dtype=torch.long))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    run_steps(model, make_batch(CFG, 2, seed=0), steps=2)
+    assert current_plan(model).measured_bytes is not None
+    assert parse_bytes("1.5GiB") == 3 * 2**29
+    assert parse_bytes("512 mib") == 2**29 and parse_bytes("2KB") == 2000
+    assert parse_bytes(4096) == parse_bytes("4096") == 4096
+
+
+def test_bench_sweep_small(tmp_path):
+    """``python -m remat_dist bench --budget`` end to end on 2 torchrun ranks (tiny
+    sizes): every budget's plan fits on both ranks; rank 1 saves more."""
+    from remat_dist.cli.bench import main as bench_main
+    from remat_dist.cli.bench_budget import format_budget_table
+
+    path = tmp_path / "budget.json"
+    argv = ["--budget", "--layers", "3", "--dim", "32", "--seq", "16", "--iters", "1",
+            "--warmup", "0", "--fractions", "0.3", "0.7", "--json", str(path)]
+    assert bench_main(argv) == 0
+    import json
+
+    result = json.loads(path.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["none", "full", "budget 0.30", "budget 0.70"]
+    assert result["batch_per_rank"] == [2, 4]
+    for name in ("budget 0.30", "budget 0.70"):
+        r = rows[name]
+        assert max(r["saved_bytes_per_rank"]) <= r["budget"]
+        assert r["saved_bytes_per_rank"][0] < r["saved_bytes_per_rank"][1]
+        assert len(r["decisions"]) == 3
+    assert "budget 0.30" in format_budget_table(result)
+
+
+def test_micro_batches_of_the_profiling_step_and_later_steps():
+    """Gradient accumulation: the profiling step's second micro-batch still runs
+    full recompute (the plan waits for the step's backward to end); the next step
+    runs the plan in both micro-batches; gradients bitwise those without remat."""
+    micro = [make_batch(CFG, 2, seed=s) for s in (5, 6)]
+
+    def step(model, seed):
+        torch.manual_seed(seed)
+        losses, saved = [], []
+        for tokens, targets in micro:
+            with SavedBytesCounter(model.parameters()) as count:
+                logits = model(tokens)
+            saved.append(count.activation_bytes)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        sum(losses).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return saved, grads
+
+    ref = [step(_model(), s) for s in (0, 1)]
+    full = step(_model("full"), 0)[0][0]
+    budget = (full + ref[0][0][0]) // 2
+    model = _model(remat.MemoryBudget(bytes=budget))
+    first = step(model, 0)
+    assert first[0] == [full, full] and current_plan(model).measured_bytes is None
+    second = step(model, 1)
+    assert all(b <= budget for b in second[0]) and second[0][0] > full
+    assert current_plan(model).measured_bytes == second[0][0]
+    assert grads_equal(first[1], ref[0][1]) and grads_equal(second[1], ref[1][1])
