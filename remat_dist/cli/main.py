@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: python -m remat_dist {bench,report} [options]
 
   bench    memory and time of remat_dist vs torch.utils.checkpoint and no
-           checkpointing, in one run (prints a table; --json PATH writes it)
+           checkpointing, in one run (prints a table; --json PATH writes it);
+           bench --compile: the same for blocks compiled with torch.compile
   report   run the reference model and print the cross-rank saved-tensor report
 """
 
@@ -18,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command == "bench" and "--compile" in rest:
+        from remat_dist.cli.bench_compile import main as compile_main
+
+        return compile_main([a for a in rest if a != "--compile"])
     if command == "bench":
         from remat_dist.cli.bench import main as bench_main
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat_dist.core import _record, _standin
+from remat_dist.core import _compile, _record, _standin
 from remat_dist.core._hooks import (
     as_hooks,
     entry_hooks,
@@ -167,6 +167,8 @@ def checkpoint(
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
+            if _compile.compiling():  # Dynamo cannot trace the contextvars below
+                return _compile.run_checkpoint(fn, name, hooks, frozen, args, kwargs)
             return _run_checkpoint(fn, name, hooks, frozen, args, kwargs)
 
         return run  # type: ignore[return-value]

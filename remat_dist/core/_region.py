@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from remat_dist.core import _record
+from remat_dist.core import _compile, _record
 from remat_dist.core._options import resolve
 from remat_dist.core._placeholder import make_placeholder
 from remat_dist.core._record import CheckpointRecord, RegionRecord
@@ -51,6 +51,8 @@ class _RegionCall:
         self.__wrapped__ = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compile.compiling():
+            return _compile.region_call(self.fn, self.name, self.recompute, args, kwargs)
         record = frame_var.get()
         if record is None:
             if _record._observers:
@@ -312,6 +314,8 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> None:
     region on forward. Tensors not produced by a save region are left alone (they
     are recomputed anyway); outside a checkpoint forward this is a no-op.
     """
+    if _compile.compiling():
+        return _compile.recompute_needs_tensor(tensors)
     record = frame_var.get()
     if record is None or record.replaying or record.forward_done:
         return
@@ -339,6 +343,10 @@ def name_scope(prefix: str) -> Iterator[None]:
         raise RematUsageError(
             f"remat_dist.name_scope: prefix must be a non-empty string, got {prefix!r}."
         )
+    if _compile.compiling():
+        with _compile.name_scope(prefix):
+            yield
+        return
     token = name_prefix_var.set(f"{name_prefix_var.get()}{prefix}/")
     try:
         yield

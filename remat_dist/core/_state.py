@@ -10,6 +10,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from torch.compiler import is_compiling as _is_compiling
+
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
@@ -28,7 +30,10 @@ hooks_var: ContextVar[tuple[Any, ...]] = ContextVar("remat_dist_hooks", default=
 
 
 def current_frame() -> CheckpointRecord | None:
-    """The checkpoint frame running in this context, or None."""
+    """The checkpoint frame running in this context, or None (always None while
+    ``torch.compile`` traces: compiled checkpoints have no frame)."""
+    if _is_compiling():
+        return None
     return frame_var.get()
 
 
@@ -40,5 +45,9 @@ def is_recomputing() -> bool:
         if not remat_dist.is_recomputing():
             record_metric(value)
     """
+    if _is_compiling():
+        # Dynamo traces the forward; the compiled backward recomputes graph ops,
+        # never Python (docs/compile.md)
+        return False
     frame = frame_var.get()
     return frame is not None and frame.replaying

@@ -167,6 +167,8 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
                 "`with gradient_checkpoint_scope(): ...`."
             )
         self._entered = True
+        if torch.compiler.is_compiling():
+            _refuse_compile()
         if (
             _state.current_frame() is not None
             or not torch.is_grad_enabled()
@@ -231,6 +233,20 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
                 "entered inside it was still active. Fix: exit everything entered "
                 "inside the scope before the scope ends (use `with` blocks)."
             )
+
+
+def _refuse_compile() -> None:
+    """A scope met by ``torch.compile``: refuse at trace time (never run wrong)."""
+    from remat_dist.core._compile import refuse
+
+    refuse(
+        "remat_dist.gradient_checkpoint_scope() is not supported under "
+        "torch.compile: it records every ATen call through a TorchDispatchMode and "
+        "recomputes from saved-tensor hooks at backward time, and a compiled graph "
+        "runs neither. Fix: use remat_dist.checkpoint(region_name=...)(fn) (compiles "
+        "into one graph) for the code in the scope, or keep the scope out of the "
+        "compiled region (torch.compiler.disable on the function that enters it)."
+    )
 
 
 def _remove_mode(mode: TorchDispatchMode) -> bool:

@@ -156,6 +156,7 @@ def _install() -> None:
             fb = Library("_", "IMPL")
             fb.fallback(fallthrough_kernel, name)
             libs.append(fb)
+            _hops_fall_through(key)
         lib = Library("c10d", "IMPL")
         specs: dict[str, _OpSpec] = {}
         for qual in torch._C._dispatch_get_all_op_names():
@@ -177,6 +178,23 @@ def _install() -> None:
         _SPECS.update(specs)
         _LIBS.extend(libs)
         _installed = True
+
+
+def _hops_fall_through(key: Any) -> None:
+    """Let higher-order operators pass the key like every ATen op does.
+
+    HOPs dispatch in Python and ignore backend fallbacks: with the key included, a
+    HOP that a compiled graph runs at runtime (``run_and_save_rng_state``, which
+    AOTAutograd puts before a recomputed random op) would find no kernel for it.
+    Existing HOPs get a fallthrough, later ones take it from torch's default list.
+    """
+    import torch._ops as ops
+
+    defaults = getattr(ops, "_HIGHER_ORDER_OP_DEFAULT_FALLTHROUGH_DISPATCH_KEYS", None)
+    if isinstance(defaults, list) and key not in defaults:
+        defaults.append(key)
+    for hop in list(getattr(ops, "_higher_order_ops", {}).values()):
+        hop.fallthrough(key)
 
 
 def interception_key() -> str:
