@@ -9,12 +9,11 @@ Per variant:
 - ``saved_bytes``: what backward will need after forward (unique storages seen by an
   outermost ``remat_dist.saved_tensors_hooks``, which also sees checkpoint inputs,
   ``torch.utils.checkpoint``'s included, save-region saves and persisted outputs;
-  parameters excluded; the selective variant's cached matmul outputs are not seen:
-  read ``live_after_forward_bytes`` for it). Single process: no collective outputs
-  are kept; the distributed table counts those (bench_dist.py);
+  parameters excluded), plus the op outputs torch's selective checkpointing caches
+  (read from its cache by the saved-tensors report). Single process: no collective
+  outputs are kept; the distributed table counts those (bench_dist.py);
 - ``live_after_forward_bytes``: activation bytes alive right after forward, measured
-  independently of hooks (selective checkpointing keeps its saves where hooks cannot
-  see them: read this column for it);
+  independently of hooks and reports;
 - ``peak_bytes``: peak of live tensor bytes over one forward+backward, in a separate
   untimed pass (CUDA: the allocator's peak; CPU: torch's ``MemTracker``);
 - ``time_ms``: median forward+backward time;
@@ -43,6 +42,7 @@ import torch.utils.checkpoint as tuc
 import remat_dist as remat
 from remat_dist.core.scope import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
+from remat_dist.report import build_saved_tensors_report
 from remat_dist.testing import SavedBytesCounter
 
 __all__ = ["BenchConfig", "main", "run_single_process"]
@@ -181,9 +181,12 @@ def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int
     # a gradient_checkpoint_scope's inputs reach the hooks (its ops save them);
     # its own record adds RNG/state snapshots only
     scopes = sum(r.stats()["state_bytes"] for r in live_scope_records())
+    # torch's selective checkpointing caches op outputs in its dispatch mode, where
+    # no hook sees them; the report reads that cache
+    cached = build_saved_tensors_report(loss).summary()["torch_checkpoint"]["cached_bytes"]
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return count.activation_bytes + scopes
+    return count.activation_bytes + scopes + cached
 
 
 def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:

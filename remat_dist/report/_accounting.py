@@ -35,6 +35,7 @@ from remat_dist.report._graph import (
 
 __all__ = [
     "KEPT_BY_LAYERS",
+    "SELECTIVE_CACHE",
     "TORCH_CHECKPOINT",
     "Annotate",
     "CheckpointBreakdown",
@@ -51,6 +52,10 @@ TORCH_CHECKPOINT = "torch.utils.checkpoint"
 non-reentrant checkpoint (``checkpoint_wrapper`` included)."""
 
 KEPT_BY_LAYERS = "kept for comm-free replay"
+SELECTIVE_CACHE = "cached by selective checkpointing"
+"""Region kind of the op outputs torch's selective checkpointing keeps (a
+``torch.utils.checkpoint`` call with a ``create_selective_checkpoint_contexts``
+policy, torchtitan's selective "op" AC)."""
 """The ``kind`` of a :class:`RegionBreakdown` holding what the layers above keep on
 a checkpoint's record (``RecordExtension.kept_tensors``): today the collective
 outputs that ``collectives="save"`` keeps so that replay issues no communication."""
@@ -154,8 +159,9 @@ class RegionBreakdown:
     local_name: str
     rows: list[StorageRow] = field(default_factory=list)
     kind: str = "save"
-    """``"save"`` (a save region) or :data:`KEPT_BY_LAYERS` (what the layers above
-    keep on the record: collective outputs of comm-free replay)."""
+    """``"save"`` (a save region), :data:`KEPT_BY_LAYERS` (what the layers above
+    keep on the record: collective outputs of comm-free replay) or
+    :data:`SELECTIVE_CACHE` (a torch checkpoint's cached op outputs)."""
 
     @property
     def nbytes(self) -> int:
@@ -401,7 +407,9 @@ def breakdown_torch_checkpoint(
     frame: TorchCheckpointFrame, name: str, ledger: Ledger
 ) -> CheckpointBreakdown:
     """Count what one ``torch.utils.checkpoint`` call keeps: its inputs (the tensors
-    its forward saved are recomputed on backward and cost nothing until then)."""
+    its forward saved are recomputed on backward and cost nothing until then) and,
+    under a selective policy, the op outputs it cached (a ``<name>::selective cache``
+    region)."""
     out = CheckpointBreakdown(
         name=name,
         record_name=TORCH_CHECKPOINT,
@@ -426,6 +434,28 @@ def breakdown_torch_checkpoint(
             )
     out.inputs = list(rows.values())
     out.user_hook_bytes = sum(r.nbytes for r in out.inputs if r.user_hook)
+    cache_name = f"{name}::selective cache"
+    cached: dict[StorageKey, StorageRow] = {}
+    for j, t in enumerate(frame.cached()):
+        for key, nbytes, plain in tensor_storages(t):
+            if key in cached:
+                continue
+            counted, before = ledger.claim(
+                key, nbytes, cache_name, parameter=is_parameter_tensor(t)
+            )
+            cached[key] = StorageRow(
+                counted, nbytes, f"cached.{j}", tuple(t.shape), t.dtype,
+                plain.device, False, before, plain,
+            )
+    if cached:
+        out.regions.append(
+            RegionBreakdown(
+                name=cache_name,
+                local_name="selective cache",
+                rows=list(cached.values()),
+                kind=SELECTIVE_CACHE,
+            )
+        )
     return out
 
 

@@ -36,6 +36,7 @@ from remat_dist.report._accounting import (
     breakdown_torch_checkpoint,
     format_checkpoint_detail,
 )
+from remat_dist.report._format import format_bytes
 from remat_dist.report._graph import running_torch_checkpoint
 
 __all__ = ["format_current_memory_report", "print_current_memory_report"]
@@ -62,8 +63,8 @@ def format_current_memory_report(
             cp = breakdown_torch_checkpoint(frame, TORCH_CHECKPOINT, Ledger())
             lines = format_checkpoint_detail(cp, annotate, inputs=inputs)
             lines[0] = (
-                f"{TORCH_CHECKPOINT}: 0 B resident ({frame.recompute_handles} saves "
-                "so far are recompute handles)"
+                f"{TORCH_CHECKPOINT}: {format_bytes(cp.nbytes)} resident "
+                f"({frame.recompute_handles} saves so far are recompute handles)"
             )
             return "\n".join(lines)
         return (

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 
 from remat_dist.core import (
     CheckpointRecord,
@@ -191,6 +194,43 @@ class TorchCheckpointFrame:
             elif packed[0] is PackedKind.REGION_USER_PACKED:
                 out.extend((i, t, True) for t in packed_tensors(packed[1]))
         return out
+
+    def cached(self) -> list[torch.Tensor]:
+        """The op outputs torch's selective checkpointing cached for backward (its
+        ``MUST_SAVE`` / ``PREFER_SAVE`` ops: ``create_selective_checkpoint_contexts``,
+        torchtitan's selective "op" AC), found in the cache its recompute context
+        reads; empty for a plain checkpoint. Entries backward already consumed are
+        gone from the cache and not counted."""
+        out: list[torch.Tensor] = []
+        for cache in _caches_in(getattr(self.frame, "recompute_fn", None)):
+            for leaf in torch.utils._pytree.tree_leaves(list(cache.values())):
+                t = getattr(leaf, "val", None)  # torch's version-checking wrapper
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+        return out
+
+
+def _caches_in(fn: Any) -> list[dict[Any, Any]]:
+    """The ``storage`` dicts of the dispatch modes ``fn`` closes over (directly,
+    in a tuple, or through a function it closes over), each once."""
+    found: dict[int, dict[Any, Any]] = {}
+    todo, depth = [fn], 0
+    while todo and depth < 3:
+        nxt = []
+        for obj in todo:
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                for v in value if isinstance(value, tuple) else (value,):
+                    storage = getattr(v, "storage", None)
+                    if isinstance(v, TorchDispatchMode) and isinstance(storage, dict):
+                        found[id(storage)] = storage
+                if callable(value) and getattr(value, "__closure__", None):
+                    nxt.append(value)
+        todo, depth = nxt, depth + 1
+    return list(found.values())
 
 
 def _torch_frame_of(saved: Any) -> Any:

@@ -189,6 +189,7 @@ class SavedTensorsReport:
                 "recompute_handles": sum(
                     cp.recompute_handles for cp in self.torch_checkpoints
                 ),
+                "cached_bytes": sum(cp.nbytes for cp in self.torch_checkpoints),
             },
             "outside": [
                 {"node_type": g.node_type, "bytes": g.nbytes, "nodes": len(g.nodes)}
@@ -227,6 +228,12 @@ class SavedTensorsReport:
                 f"{sum(cp.recompute_handles for cp in torch_cps)} recompute handles, "
                 "0 B until backward)"
             )
+            cached = sum(cp.nbytes for cp in torch_cps)
+            if cached:
+                lines.append(
+                    "of which op outputs cached by torch's selective checkpointing: "
+                    f"{format_bytes(cached)} (in the regions' bytes)"
+                )
         lines.append(
             f"parameters saved (not counted above): {format_bytes(self.parameter_bytes)} in "
             f"{plural(self.parameter_storages, 'storage')}"
@@ -430,15 +437,17 @@ def saved_tensors_summary(roots: Any = None, *more: Any) -> dict[str, Any]:
          "kept_collective_bytes",
          "regions": [{"name", "bytes", "storages", "input_bytes"}, ...],
          "outside": [{"node_type", "bytes", "nodes"}, ...],
-         "torch_checkpoint": {"regions", "input_bytes", "recompute_handles"}}
+         "torch_checkpoint": {"regions", "input_bytes", "recompute_handles",
+                              "cached_bytes"}}
 
     ``regions`` are the checkpoints in forward order; a region's ``bytes`` are what
     its save regions keep (inputs are in ``input_bytes``). Calls of
     ``torch.utils.checkpoint`` are regions named ``torch.utils.checkpoint.<i>``
     with two more keys, ``"kind": "torch.utils.checkpoint"`` and
-    ``"recompute_handles"``; their ``bytes`` are 0 (torch recomputes what their
-    forward saved) and their inputs are also in ``checkpoint_input_bytes``;
-    ``torch_checkpoint`` sums them. ``kept_collective_bytes`` is the part of
+    ``"recompute_handles"``; their ``bytes`` are what a selective policy cached
+    (``create_selective_checkpoint_contexts``; 0 for a plain checkpoint, which
+    recomputes everything its forward saved) and their inputs are also in
+    ``checkpoint_input_bytes``; ``torch_checkpoint`` sums them. ``kept_collective_bytes`` is the part of
     ``regions_bytes`` that ``collectives="save"`` keeps (collective outputs, so that
     replay issues no communication).
     """

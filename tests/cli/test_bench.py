@@ -55,7 +55,7 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
     tokens, targets = make_batch(config, 2, seed=0)
     inputs = config.n_layers * 2 * config.seq_len * config.dim * 4
     columns = {}
-    for name in ("none", "torch.utils.checkpoint"):
+    for name in ("none", "torch.utils.checkpoint", "selective (save matmuls)"):
         model.block_runner = bench.VARIANTS[name]()
         columns[name] = bench._saved_bytes(model, tokens, targets)
         loss = model.loss(tokens, targets)
@@ -65,3 +65,7 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
         assert columns[name] == report.total_bytes
         assert report.torch_checkpoint_input_bytes == (inputs if name != "none" else 0)
     assert columns["torch.utils.checkpoint"] < columns["none"]
+    # selective checkpointing keeps its matmul outputs (its cache, which no hook
+    # sees) on top of the inputs
+    assert columns["torch.utils.checkpoint"] < columns["selective (save matmuls)"]
+    assert columns["selective (save matmuls)"] < columns["none"]

@@ -85,6 +85,7 @@ def test_torch_checkpoint_regions_count_their_inputs():
         "regions": N_LAYERS,
         "input_bytes": N_LAYERS * X_BYTES,
         "recompute_handles": s["torch_checkpoint"]["recompute_handles"],
+        "cached_bytes": 0,  # no selective policy: nothing cached
     }
     assert s["torch_checkpoint"]["recompute_handles"] > 0
     names = [r["name"] for r in s["regions"]]
@@ -175,3 +176,57 @@ def test_current_memory_report_inside_torch_checkpoint():
     )
     out.sum().backward()
     assert format_current_memory_report().startswith("no checkpoint is running")
+
+
+def _sac_linear_saved(block, h, i):
+    # torchtitan's selective "op" AC shape: keep every matmul's output, recompute
+    # the rest (torch's create_selective_checkpoint_contexts)
+    def policy(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts():
+        return tuc.create_selective_checkpoint_contexts(policy)
+
+    return tuc.checkpoint(block, h, use_reentrant=False, context_fn=contexts)
+
+
+def test_selective_checkpoint_cache_is_counted():
+    report, count, loss = _forward(_sac_linear_saved)
+    # independent count: per block, the two linear layers' outputs (fc: 4*DIM wide,
+    # out: DIM wide) cached by torch, plus the block's input
+    cached = N_LAYERS * (X_BYTES * 4 + X_BYTES)
+    torch_cps = report.torch_checkpoints
+    assert len(torch_cps) == N_LAYERS
+    assert sum(cp.nbytes for cp in torch_cps) == cached
+    assert report.torch_checkpoint_input_bytes == N_LAYERS * X_BYTES
+    summary = report.summary()
+    assert summary["torch_checkpoint"]["cached_bytes"] == cached
+    assert summary["regions_bytes"] == cached
+    text = report.format()
+    assert "of which op outputs cached by torch's selective checkpointing: 15.0 KiB" in text
+    assert "torch.utils.checkpoint.0::selective cache: 5.0 KiB" in text
+    # the outside-hook counter cannot see the cache (torch keeps it in its dispatch
+    # mode, not as saved tensors): report total = counter + cache
+    assert report.total_bytes == count.activation_bytes + cached
+    loss.backward()
+
+
+def test_current_memory_report_inside_a_selective_checkpoint():
+    seen: list[str] = []
+
+    def fn(a, w):
+        h = torch.sin(a @ w)
+        seen.append(format_current_memory_report())
+        return h.cos()
+
+    def contexts():
+        return tuc.create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+
+    a = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    out = tuc.checkpoint(fn, a, w, use_reentrant=False, context_fn=contexts)
+    lines = seen[0].splitlines()
+    assert lines[0].startswith("torch.utils.checkpoint: 128 B resident ("), lines
+    assert "torch.utils.checkpoint::selective cache: 128 B" in seen[0]
+    out.sum().backward()
