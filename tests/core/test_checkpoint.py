@@ -13,8 +13,8 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
-from remat_dist.core._checkpoint import _UnsupportedOption
 from remat_dist.core import SavedTensorKind, live_records
+from remat_dist.core._checkpoint import _UnsupportedOption
 from remat_dist.testing import SavedBytesCounter
 
 

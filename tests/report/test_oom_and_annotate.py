@@ -70,7 +70,8 @@ def test_oom_observer_attached_itself_as_torch_remats_is(capsys):
     assert oom_observer(0, 3 * 2**30, 5 * 2**30, 2**20) is None
     err = capsys.readouterr().err
     assert err.startswith("remat_dist: CUDA out of memory on device 0: tried to")
-    assert format_saved_tensors_report(loss).splitlines()[0] in err
+    # the live graphs (loss's among them, maybe others of this process)
+    assert "\nsaved for backward: " in err and "layers.0" in err
     # and torch_remat's format call, annotate only
     text = format_oom_saved_tensors_report(annotate=None, roots=[loss])
     assert text.startswith("remat_dist: saved tensors at CUDA out of memory\n")

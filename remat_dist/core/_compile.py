@@ -1,0 +1,269 @@
+"""The ``torch.compile`` path of ``checkpoint``, ``region``, ``name_scope`` and friends.
+
+Eager remat drives torch's non-reentrant checkpoint through ``context_fn`` and keeps
+its state (the running checkpoint, its record, the name prefix) in ``contextvars``,
+which Dynamo cannot trace. Under ``torch.compile`` nothing of that runs: the entry
+points ask :func:`compiling` first and come here, where the same semantics are
+expressed in what the compiler understands.
+
+* A checkpoint is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with a
+  selective-checkpoint ``context_fn`` (:func:`_sac_contexts`). Dynamo turns it into
+  one activation-checkpoint region of the graph; AOTAutograd calls
+  :func:`_policy` once per ATen op of the region and tags the op's node with the
+  answer, and the min-cut partitioner obeys the tags.
+* The body of a checkpoint and each region run under
+  ``torch.fx.traceback.annotate``: every node they produce carries
+  ``node.meta["custom"]["remat_dist"] = "recompute" | "save"`` (the innermost
+  annotation wins), which is what :func:`_policy` reads. Ops of a save region are
+  ``MUST_SAVE`` (the partitioner keeps whatever of theirs backward or a recompute
+  needs, the eager save region's keep-what-it-saves); every other op of the
+  checkpoint is ``MUST_RECOMPUTE`` (the eager "everything recomputes"), except
+  collectives (``_c10d_functional``), which are always ``MUST_SAVE`` so that the
+  compiled backward never issues a collective the model without remat would not.
+* Random ops stay ``MUST_RECOMPUTE``: AOTAutograd stashes the generator state
+  before each recomputed random op and replays it in backward, so dropout masks
+  equal the forward's (the compiler's counterpart of the recompute state hooks,
+  which therefore are not called under compile). In a graph that takes opaque
+  objects (DTensor's ``DeviceMesh``: tensor parallelism) they are ``MUST_SAVE``
+  instead, working around a torch 2.13 partitioner bug (:func:`_has_opaque_inputs`).
+* What the eager path checks through its record is checked at trace time from the
+  annotations (:func:`_enclosing`): a checkpoint inside a checkpoint, a recompute
+  region inside a save region. Options that cannot work in a compiled graph raise
+  :class:`RematUsageError` at trace time, naming the option and the fix.
+
+``is_recomputing()`` is False while compiling: Dynamo traces the forward only, and
+the compiled backward recomputes graph ops, never Python.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
+
+from remat_dist.errors import RematUsageError
+
+if TYPE_CHECKING:
+    from remat_dist.core._options import CheckpointOptions
+    from remat_dist.core._types import RecomputeStateHook
+
+__all__ = [
+    "ANNOTATION",
+    "compiling",
+    "name_scope",
+    "recompute_needs_tensor",
+    "refuse",
+    "region_call",
+    "run_checkpoint",
+]
+
+ANNOTATION = "remat_dist"
+"""Key in ``node.meta["custom"]``: ``"recompute"`` or ``"save"``."""
+_CHECKPOINT = "remat_dist_checkpoint"
+"""Key in ``node.meta["custom"]``: the checkpoint's ``region_name``."""
+_REGION = "remat_dist_region"
+"""Key in ``node.meta["custom"]``: the region's qualified name."""
+_PREFIX = "remat_dist_prefix"
+"""Key in ``node.meta["custom"]``: the ``name_scope`` prefix (``a/b/``)."""
+
+
+def compiling() -> bool:
+    """True while Dynamo traces (the entry points take this module's path)."""
+    return torch.compiler.is_compiling()
+
+
+@torch._dynamo.assume_constant_result
+def _enclosing() -> tuple[str | None, str | None, str | None, str]:
+    """``(checkpoint name, innermost mode, region name, name prefix)`` of the code
+    Dynamo is tracing now, read from the active ``fx.traceback.annotate`` s.
+
+    Evaluated for real at trace time and folded into the graph as a constant (no
+    guard): Dynamo enters every ``annotate`` it traces, so ``current_meta`` holds
+    exactly the annotations around the traced code.
+    """
+    custom = fx_traceback.current_meta.get("custom") or {}
+    return (
+        custom.get(_CHECKPOINT),
+        custom.get(ANNOTATION),
+        custom.get(_REGION),
+        custom.get(_PREFIX, ""),
+    )
+
+
+@torch._dynamo.assume_constant_result
+def refuse(message: str) -> None:
+    """Raise :class:`RematUsageError` at trace time, under ``fullgraph=True`` or not.
+
+    A plain ``raise`` in traced code is a graph break, after which the frame would
+    silently run eagerly without ``fullgraph``; called as a constant function, the
+    error leaves Dynamo at once, as a ``torch._dynamo.exc.InternalTorchDynamoError``
+    whose message starts with ``RematUsageError: <message>`` and whose
+    ``__context__`` is this error.
+    """
+    raise RematUsageError(message)
+
+
+# -- the selective-checkpoint policy ------------------------------------------------
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Per ATen op of a compiled checkpoint: save it (save region, collective) or
+    recompute it (everything else)."""
+    if getattr(op, "namespace", None) in ("_c10d_functional", "c10d"):
+        return CheckpointPolicy.MUST_SAVE
+    custom = fx_traceback.current_meta.get("custom") or {}
+    if custom.get(ANNOTATION) == "save":
+        return CheckpointPolicy.MUST_SAVE
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) and _has_opaque_inputs():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _has_opaque_inputs() -> bool:
+    """Whether the graph being traced takes an opaque object (a DTensor's
+    ``DeviceMesh``).
+
+    torch 2.13's ``functionalize_rng_ops`` puts the generator states it stashes for
+    recomputed random ops among the forward's saved values counting symbolic ints
+    only; with an opaque object saved as well, a ``DeviceMesh`` lands among the
+    tensors and the forward fails (``expected all tensors_saved_with_vc_check to
+    be Tensors``). There, random ops are kept instead of replayed.
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return False
+    graph = mode.tracer.graph
+    cached = _OPAQUE_GRAPHS.get(id(graph))
+    if cached is not None and cached[0] is graph:
+        return cached[1]
+    found = any(
+        not isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt, int, float, bool))
+        and n.meta.get("val") is not None
+        for n in graph.find_nodes(op="placeholder")
+    )
+    _OPAQUE_GRAPHS.clear()  # one graph is traced at a time
+    _OPAQUE_GRAPHS[id(graph)] = (graph, found)
+    return found
+
+
+_OPAQUE_GRAPHS: dict[int, tuple[Any, bool]] = {}
+
+
+def _sac_contexts() -> tuple[Any, Any]:
+    """The checkpoint's ``context_fn`` (a module-level function, as Dynamo needs)."""
+    return torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+
+
+# -- checkpoint -------------------------------------------------------------------
+
+
+def run_checkpoint(
+    fn: Callable[..., Any],
+    name: str,
+    hooks: tuple[RecomputeStateHook, ...] | None,
+    options: CheckpointOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """One call of a checkpointed function while Dynamo traces.
+
+    ``hooks`` (``recompute_state_hooks``) are accepted and not called: the compiled
+    backward recomputes graph ops from saved tensors and stashed generator states,
+    never Python, so no Python state can differ on its replay.
+    """
+    outer, _, _, _ = _enclosing()
+    if outer is not None:
+        refuse(
+            f"remat_dist.checkpoint(region_name={name!r}) was entered inside checkpoint "
+            f"{outer!r} (under torch.compile): nested checkpoints are not supported. "
+            f"Fix: checkpoint the outer block only and mark the inner call with "
+            f"remat_dist.region(fn, {name!r}, recompute=True), or checkpoint the "
+            "inner blocks one by one instead of the outer one."
+        )
+    if options.saved_tensors_hooks is not None:
+        refuse(
+            f"remat_dist.checkpoint(region_name={name!r}): the option "
+            "saved_tensors_hooks= cannot work under torch.compile: the compiled "
+            "block keeps its tensors inside one compiled autograd node, which does "
+            "not call per-checkpoint pack hooks. Fix: leave saved_tensors_hooks out "
+            "of checkpoints you compile (wrap the call of the compiled module in "
+            "torch.autograd.graph.saved_tensors_hooks instead), or keep the block "
+            "eager."
+        )
+    if options.determinism_check != "none":
+        refuse(
+            f"remat_dist.checkpoint(region_name={name!r}): the option "
+            f"determinism_check={options.determinism_check!r} cannot work under "
+            "torch.compile: the compiled backward recomputes graph ops, and there is "
+            "no Python replay whose tensors could be checked. Fix: "
+            "determinism_check='none' for compiled blocks."
+        )
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+
+    def body(*a: Any) -> Any:
+        with fx_traceback.annotate({_CHECKPOINT: name, ANNOTATION: "recompute"}):
+            return call(*a)
+
+    return torch_checkpoint.checkpoint(
+        body, *args, use_reentrant=False, context_fn=_sac_contexts
+    )
+
+
+# -- regions ----------------------------------------------------------------------
+
+
+def region_call(
+    fn: Callable[..., Any],
+    name: str,
+    recompute: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A ``region(fn, name, recompute=...)`` call while Dynamo traces: a plain call
+    outside a checkpoint; inside one, ``fn`` under the region's annotation."""
+    checkpoint_name, mode, region_name, prefix = _enclosing()
+    if checkpoint_name is None:
+        return fn(*args, **kwargs)
+    qual = f"{checkpoint_name}::{prefix}{name}"
+    if recompute and mode == "save":
+        refuse(
+            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
+            f"{region_name!r}, whose body is never replayed. Fix: move the recompute "
+            "region out of the save region, or make it recompute=False."
+        )
+    with fx_traceback.annotate(
+        {_REGION: qual, ANNOTATION: "recompute" if recompute else "save"}
+    ):
+        return fn(*args, **kwargs)
+
+
+def recompute_needs_tensor(tensors: tuple[Any, ...]) -> None:
+    """``recompute_needs_tensor`` while Dynamo traces: only checks the arguments.
+
+    The partitioner keeps every output of a save region (``MUST_SAVE``) that
+    backward or a recompute reads, so nothing needs persisting by hand.
+    """
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            refuse(
+                f"remat_dist.recompute_needs_tensor: expected tensors, got "
+                f"{type(t).__name__}."
+            )
+
+
+@contextmanager
+def name_scope(prefix: str) -> Any:
+    """``name_scope`` while Dynamo traces: the prefix goes into the annotations."""
+    _, _, _, outer = _enclosing()
+    with fx_traceback.annotate({_PREFIX: f"{outer}{prefix}/"}):
+        yield
