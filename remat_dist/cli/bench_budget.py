@@ -23,12 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Any
+
+from remat_dist.cli._torchrun import run_worker
 
 __all__ = ["format_budget_table", "main", "run_budget_bench"]
 
@@ -154,22 +154,7 @@ def run_budget_bench(ranks: int = 2, **cfg: Any) -> dict[str, Any]:
     """The sweep on ``ranks`` local CPU ranks under ``torchrun``; rank 0's rows with
     every rank's saved bytes and step times."""
     full = dict(DEFAULTS, **cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "budget.json")
-        env = dict(
-            os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"
-        )
-        env.setdefault("PYTHONWARNINGS", "ignore")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(ranks), "-m", "remat_dist.cli.bench_budget",
-            path, json.dumps(full),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"budget benchmark failed:\n{proc.stderr[-4000:]}")
-        with open(path) as f:
-            return json.load(f)
+    return run_worker("remat_dist.cli.bench_budget", ranks, full, "budget benchmark")
 
 
 def _plan_text(decisions: dict[str, str] | None) -> str:

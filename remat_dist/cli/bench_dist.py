@@ -250,30 +250,13 @@ def run_distributed_bench(world_size: int = 2, **cfg: Any) -> dict[str, Any]:
     """Both layouts on ``world_size`` local CPU ranks started by ``torchrun``
     (its TCPStore, as in real jobs); rank 0's measurements plus every rank's saved
     bytes."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
+    from remat_dist.cli._torchrun import run_worker
 
     defaults = {"seq": 64, "dim": 128, "layers": 4, "batch": 4, "iters": 8, "warmup": 2}
     defaults.update(cfg)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "dist.json")
-        env = dict(
-            os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"
-        )
-        env.setdefault("PYTHONWARNINGS", "ignore")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(world_size), "-m", "remat_dist.cli.bench_dist",
-            path, json.dumps(defaults),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"distributed benchmark failed:\n{proc.stderr[-4000:]}")
-        with open(path) as f:
-            return json.load(f)
+    return run_worker(
+        "remat_dist.cli.bench_dist", world_size, defaults, "distributed benchmark"
+    )
 
 
 def format_dist_table(result: dict[str, Any]) -> str:

@@ -416,47 +416,48 @@ def breakdown_torch_checkpoint(
         kind=TORCH_CHECKPOINT,
         recompute_handles=frame.recompute_handles,
     )
-    where = f"{name} inputs"
-    rows: dict[StorageKey, StorageRow] = {}
-    for i, t, user_hook in frame.inputs():
-        for key, nbytes, plain in tensor_storages(t):
-            row = rows.get(key)
-            if row is not None:  # another input on the same storage: one row
-                if f"input {i}" not in row.label:
-                    row.label += f", input {i}"
-                continue
-            counted, before = ledger.claim(
-                key, nbytes, where, parameter=is_parameter_tensor(t)
-            )
-            rows[key] = StorageRow(
-                counted, nbytes, f"input {i}", tuple(t.shape), t.dtype,
-                plain.device, user_hook, before, plain,
-            )
-    out.inputs = list(rows.values())
+    inputs = [(f"input {i}", t, user_hook) for i, t, user_hook in frame.inputs()]
+    out.inputs = _storage_rows(inputs, f"{name} inputs", ledger)
     out.user_hook_bytes = sum(r.nbytes for r in out.inputs if r.user_hook)
     cache_name = f"{name}::selective cache"
-    cached: dict[StorageKey, StorageRow] = {}
-    for j, t in enumerate(frame.cached()):
-        for key, nbytes, plain in tensor_storages(t):
-            if key in cached:
-                continue
-            counted, before = ledger.claim(
-                key, nbytes, cache_name, parameter=is_parameter_tensor(t)
-            )
-            cached[key] = StorageRow(
-                counted, nbytes, f"cached.{j}", tuple(t.shape), t.dtype,
-                plain.device, False, before, plain,
-            )
+    cached = _storage_rows(
+        [(f"cached.{j}", t, False) for j, t in enumerate(frame.cached())],
+        cache_name,
+        ledger,
+    )
     if cached:
         out.regions.append(
             RegionBreakdown(
                 name=cache_name,
                 local_name="selective cache",
-                rows=list(cached.values()),
+                rows=cached,
                 kind=SELECTIVE_CACHE,
             )
         )
     return out
+
+
+def _storage_rows(
+    tensors: list[tuple[str, torch.Tensor, bool]], where: str, ledger: Ledger
+) -> list[StorageRow]:
+    """One row per storage of ``(label, tensor, packed by a user hook)``, claimed
+    in ``ledger`` under ``where``; labels of tensors sharing a storage are joined."""
+    rows: dict[StorageKey, StorageRow] = {}
+    for label, t, user_hook in tensors:
+        for key, nbytes, plain in tensor_storages(t):
+            row = rows.get(key)
+            if row is not None:  # another tensor on the same storage: one row
+                if label not in row.label:
+                    row.label += f", {label}"
+                continue
+            counted, before = ledger.claim(
+                key, nbytes, where, parameter=is_parameter_tensor(t)
+            )
+            rows[key] = StorageRow(
+                counted, nbytes, label, tuple(t.shape), t.dtype,
+                plain.device, user_hook, before, plain,
+            )
+    return list(rows.values())
 
 
 def format_checkpoint_detail(
