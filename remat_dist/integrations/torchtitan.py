@@ -270,7 +270,9 @@ def apply_ac(
             ``"op"`` (default :data:`DEFAULT_OP_POLICY`).
 
     Raises :class:`RematUsageError` when the config would checkpoint nothing
-    (``none``, ``None``, ``memory_budget``, no block selected). Each checkpointed
+    (``none``, ``None``, ``memory_budget``, no block selected); a model part whose
+    block container is empty (a pipeline stage with only the embedding or the
+    output) is returned unchanged, with an info log, as torchtitan does. Each checkpointed
     block gets a count guard on its MoE token counters (see the module docs) and
     the attribute ``_remat_dist_torchtitan_ac`` holding the settings used;
     :func:`remove_ac` undoes all of it.
@@ -290,6 +292,11 @@ def apply_ac(
             "setting; it places no checkpoint for remat_dist to replace. Fix: choose "
             "full or selective activation checkpointing, or leave the adapter out."
         )
+    if not _blocks(model, layers):
+        # a pipeline stage holding only the embedding or the output: nothing of
+        # this model part to checkpoint, as torchtitan's own AC says
+        log.info("%s: no transformer blocks in this model part (%r is empty)", where, layers)
+        return model
     names = _select(model, settings, layers)
     if not names:
         raise RematUsageError(

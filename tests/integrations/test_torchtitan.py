@@ -122,6 +122,17 @@ def test_refuses_a_model_without_layers():
         tt.apply_ac(torch.nn.Linear(2, 2), "full")
 
 
+def test_a_pipeline_stage_without_blocks_is_left_alone(caplog):
+    # a stage holding only the output: nothing to checkpoint, as torchtitan says
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict()
+    stage.output = torch.nn.Linear(2, 2)
+    with caplog.at_level("INFO", logger="remat_dist"):
+        assert tt.apply_ac(stage, "full") is stage
+    assert remat_plan(stage) == {}
+    assert "no transformer blocks in this model part" in caplog.text
+
+
 def test_knobs_map_onto_apply_remat():
     model = S.build()
     config = S.JobACConfig(
