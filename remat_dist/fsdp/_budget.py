@@ -8,26 +8,35 @@ The life of a model under a budget (one state object on the model, see
 2. **Profiling step** (the first grad-enabled forward of the model). The step
    trains normally: every block runs its full-recompute checkpoint, so the
    gradients are those of any other plan. Before it does, each block also runs
-   *side passes* on its real inputs, whose graphs are dropped at once: one per
-   candidate (full recompute; each non-empty set of its save regions kept; no
-   checkpoint) under a saved-tensor counter, for the candidate's saved bytes, and a
-   few timed forwards with the regions timed apart, for recompute times. The RNG
-   states (the checkpoints' state hooks plus the CPU generator) are put back after
-   the side passes, so the real pass draws the same dropout masks. The model's
-   forward runs under a counter too (chained to any saved-tensor hooks of the
-   caller), which gives the bytes saved outside the blocks.
+   *side passes* on fresh copies of its tensor inputs (an in-place update of an
+   input stays in the copy), whose graphs are dropped at once: one per candidate
+   (full recompute; each non-empty set of its save regions kept; no checkpoint)
+   under a saved-tensor counter, for the candidate's saved bytes, and a few timed
+   forwards with the regions timed apart, for recompute times. The RNG states (the
+   checkpoints' state hooks plus the CPU generator) and the block's buffers
+   (BatchNorm statistics, token counters) are put back after the side passes, so
+   the real pass draws the same dropout masks and updates the buffers once. A
+   block called more than once per forward adds up the costs of its calls; a
+   selected block never called fails the planner (``RematUsageError``). The
+   model's forward runs under a counter too (chained to any saved-tensor hooks of
+   the caller), which gives the bytes saved outside the blocks.
 3. At the end of that forward every rank sends its table to every other
    (``all_gather``), takes per block and candidate the **maximum over ranks** of
    bytes and of time, and solves the same knapsack (``_budget_solver``): every
    rank computes the same plan from the same numbers, and the plans' digests are
-   compared once more (a :class:`PlanMismatchError` if they differ). An infeasible
-   budget is raised at the end of the profiling step's backward (or at the next
-   forward when no backward ran), naming the smallest feasible budget.
-4. When the profiling step's backward ends the plan is installed (the blocks'
-   checkpoints and save regions are rebuilt as a policy dict would build them;
-   blocks planned "none" lose their checkpoint); more micro-batches of the
-   profiling step run full recompute until then. The next grad-enabled forward is
-   counted once more, and a rank whose real bytes exceed the budget logs a warning.
+   compared once more (a :class:`PlanMismatchError` if they differ, raised at
+   once). An infeasible budget is raised at the end of the profiling step's
+   backward (or at once when no backward will run), naming the smallest feasible
+   budget. Either failure is raised again by every later grad-enabled forward.
+4. When the first backward after the profiling forward ends (through its output,
+   or through a later forward's when that output was dropped without one) the
+   plan is installed (the blocks' checkpoints and save regions are rebuilt as a
+   policy dict would build them; blocks planned "none" lose their checkpoint);
+   more micro-batches of the profiling step run full recompute until then, and
+   ``current_plan`` returns None. An output with no tensor that requires grad
+   (the loss kept elsewhere) has no backward to wait for: the plan is installed
+   at the next grad-enabled forward. The next grad-enabled forward is counted once
+   more, and a rank whose real bytes exceed the budget logs a warning.
    From then on the plan is fixed; the per-step plan agreement
    (``remat_dist.distributed._step``) checks each step as for any other policy.
 
@@ -37,15 +46,18 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from remat_dist._logging import get_logger
 from remat_dist.distributed import all_gather_objects, dist_ready
@@ -92,9 +104,10 @@ class MemoryBudget:
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
 
-    Raises :class:`RematUsageError` for a byte count it cannot read or a negative
-    one; ``apply_remat`` raises for regions a block does not have (naming the
-    block and its submodules).
+    Raises :class:`RematUsageError` for a byte count it cannot read, a negative
+    one or one that is not a whole number of bytes, and for regions that are not
+    distinct non-empty strings; ``apply_remat`` raises for regions a block does not
+    have (naming the block and its submodules).
     """
 
     bytes: int | str
@@ -125,9 +138,23 @@ class MemoryBudget:
             )
         object.__setattr__(self, "bytes", value)
         if self.regions is not None:
-            if isinstance(self.regions, str):
-                object.__setattr__(self, "regions", (self.regions,))
-            object.__setattr__(self, "regions", tuple(self.regions))
+            regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
+            for path in regions:
+                if not isinstance(path, str) or not path:
+                    raise RematUsageError(
+                        f"remat_dist.MemoryBudget(regions={self.regions!r}): every region "
+                        f"is a non-empty submodule path relative to the block, got "
+                        f"{path!r}. Fix: e.g. regions=('attention', 'mlp'), or regions=() "
+                        "for full recompute or nothing."
+                    )
+            twice = sorted({p for p in regions if regions.count(p) > 1})
+            if twice:
+                raise RematUsageError(
+                    f"remat_dist.MemoryBudget(regions={self.regions!r}): "
+                    f"{', '.join(map(repr, twice))} listed more than once. Fix: list each "
+                    "submodule once."
+                )
+            object.__setattr__(self, "regions", regions)
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
@@ -214,8 +241,10 @@ class _BudgetState:
     counter: Counter | None = None
     params: set[Any] = field(default_factory=set)
     table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)  # per block, in the profiling forward
     plan: BudgetPlan | None = None
-    error: str | None = None
+    install_next: bool = False  # "pending" with no backward to wait for
+    error: Exception | None = None  # "failed": raised again by every later forward
     handles: list[Any] = field(default_factory=list)
 
 
@@ -238,6 +267,18 @@ def attach_budget(
             "remat_dist.fsdp.remove_remat(model) first."
         )
     cands = [candidates(name, module, budget.regions) for name, module in blocks]
+    owners: dict[int, str] = {}
+    for (name, module), cs in zip(blocks, cands):
+        for path in sorted({p for c in cs for p in (c.regions or ())}):
+            where = f"{name}.{path}"
+            first = owners.setdefault(id(module.get_submodule(path)), where)
+            if first != where:
+                raise RematUsageError(
+                    f"remat_dist.MemoryBudget: submodule {where} is also {first} (a "
+                    "module shared between blocks); a plan keeping it in both blocks "
+                    "would make it a region twice. Fix: give each block its own "
+                    "submodule, or pass regions=... without it."
+                )
     state = _BudgetState(budget, list(blocks), cands, install, state_hooks, collectives)
 
     def attach() -> None:
@@ -263,17 +304,17 @@ def detach_budget(model: nn.Module) -> None:
 
 
 def current_plan(model: nn.Module) -> BudgetPlan | None:
-    """The plan a :class:`MemoryBudget` chose for ``model``: per block the decision,
-    its bytes and its recompute time (maxima over ranks). None before the profiling
-    step's forward has ended. Raises :class:`RematUsageError` when ``model`` has no
-    memory budget."""
+    """The plan a :class:`MemoryBudget` chose for ``model`` and runs: per block the
+    decision, its bytes and its recompute time (maxima over ranks). None until the
+    plan is installed (at the end of the profiling step's backward). Raises
+    :class:`RematUsageError` when ``model`` has no memory budget."""
     state = model.__dict__.get(BUDGET_ATTR)
     if state is None:
         raise RematUsageError(
             f"remat_dist.current_plan: {type(model).__name__} has no MemoryBudget. "
             "Fix: apply_remat(model, blocks=..., policy=MemoryBudget(bytes=...))."
         )
-    return state.plan
+    return state.plan if state.phase in ("verify", "planned") else None
 
 
 # -- hooks ------------------------------------------------------------------------
@@ -284,13 +325,17 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
     if not torch.is_grad_enabled():
         return
     if state.phase == "failed":
-        raise RematUsageError(state.error)
-    # "pending": the profiling step's backward has not ended (more micro-batches
-    # of that step): they run full recompute, like its first forward.
+        assert state.error is not None
+        raise type(state.error)(str(state.error))
+    if state.phase == "pending" and state.install_next:
+        _install_plan(state)  # the profiling forward's output had no grad to wait for
+    # "pending": no backward through the profiling step has ended yet (more
+    # micro-batches of that step): they run full recompute, like its first forward.
     if state.phase in ("profile", "verify"):
         if state.phase == "profile":
             state.phase = "profiling"
             state.table = [{} for _ in state.blocks]
+            state.calls = [0 for _ in state.blocks]
         state.params = param_keys(model)
         state.counter = Counter(state.params, chain=True)
         state.counter.__enter__()
@@ -299,6 +344,10 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
 def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     state: _BudgetState = model.__dict__[BUDGET_ATTR]
     counter, state.counter = state.counter, None
+    if state.phase == "pending" and torch.is_grad_enabled():
+        # the plan waits for a backward to end; this forward's backward may be the
+        # first (the profiling forward's output was dropped without one)
+        _at_end_of_backward(output, functools.partial(_install_plan, state))
     if counter is None:
         return
     counter.__exit__(None, None, None)
@@ -317,35 +366,74 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         return
     if state.phase != "profiling":
         return
-    if any("full" not in row for row in state.table):  # the forward raised
+    # an always-called hook: after a forward that raised, from inside its handler
+    if output is None and sys.exc_info()[0] is not None:
         state.phase = "profile"  # profile the next step instead
+        return
+    unused = [name for (name, _), n in zip(state.blocks, state.calls) if n == 0]
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:8]) + (", ..." if len(unused) > 8 else "")
+        _fail(state, output, RematUsageError(
+            f"remat_dist.MemoryBudget: {len(unused)} selected block(s) never ran in the "
+            f"profiling forward: {shown}. The planner needs every block's "
+            "measurements, and a block skipped in some steps (layer drop, a branch) "
+            "would run a plan made without it. The gradients of this step are right. "
+            "Fix: select only the blocks the forward calls in every step "
+            "(remove_remat(model), then apply_remat with blocks=... naming them)."
+        ))
         return
     full = sum(row["full"][0] for row in state.table)
     outside = max(0, counter.total - full)
     try:
         _plan(state, outside)
+    except PlanMismatchError as e:
+        state.phase, state.error = "failed", e  # later forwards raise it again
+        raise
     except RematUsageError as e:
-        state.phase = "failed"
-        state.error = str(e)
-        message = state.error
-
-        def fail() -> None:
-            raise RematUsageError(message)
-
-        if not _at_end_of_backward(output, fail):
-            fail()
+        _fail(state, output, e)
         return
     state.phase = "pending"
     if not _at_end_of_backward(output, functools.partial(_install_plan, state)):
-        _install_plan(state)  # no backward will come
+        # no tensor of the output requires grad: a backward, if any, goes through
+        # something else (a loss kept on the model); before the next forward
+        state.install_next = True
+
+
+def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
+    """The planner cannot go on: raise ``error`` at the end of the profiling step's
+    backward (its gradients are complete), or now when no backward will come; every
+    later grad-enabled forward raises it again (``_pre_hook``)."""
+    state.phase = "failed"
+    state.error = error
+
+    def fail() -> None:
+        raise type(error)(str(error))
+
+    if not _at_end_of_backward(output, fail):
+        fail()
+
+
+def _tensors_in(output: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a pytree, and of dataclasses and mappings that torch's pytree
+    does not know (an unregistered ``ModelOutput``-like class)."""
+    out = []
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif depth < 8 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+            out.extend(_tensors_in(fields, depth + 1))
+        elif depth < 8 and isinstance(leaf, Mapping):
+            out.extend(_tensors_in(list(leaf.values()), depth + 1))
+    return out
 
 
 def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
-    """Run ``fn`` when the backward through ``output`` ends, after everything
+    """Run ``fn`` when the first backward through ``output`` ends, after everything
     else that backward queued (the step's end-of-backward report); False when no
-    output tensor requires grad (no backward will run through it)."""
-    leaves = output if isinstance(output, (tuple, list)) else (output,)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    output tensor requires grad (no backward will run through it). ``output`` is
+    any pytree: a tensor, a tuple, a dict, a dataclass such as a ``ModelOutput``."""
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
     if not tensors:
         return False
     queue = torch.autograd.Variable._execution_engine.queue_callback
@@ -358,7 +446,8 @@ def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
             # backward (the step's report), at the very end of the step
             queue(lambda: queue(fn))
 
-    tensors[0].register_hook(at_start)
+    for t in tensors:  # whichever output the backward goes through
+        t.register_hook(at_start)
     return True
 
 
@@ -368,11 +457,19 @@ def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
 def _profiled(state: _BudgetState, index: int, run: Any) -> Any:
     def profiled_run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if state.phase == "profiling" and torch.is_grad_enabled():
-            state.table[index] = profile_block(
+            row = profile_block(
                 state.blocks[index][0], module, state.candidates[index], args, kwargs,
                 params=state.params, state_hooks=state.state_hooks,
                 collectives=state.collectives, repeats=state.budget.repeats,
             )
+            # a block called more than once per forward (shared weights): every
+            # call saves and recomputes under the same decision, so the costs add
+            before = state.table[index]
+            state.table[index] = {
+                label: (w + before.get(label, (0, 0.0))[0], t + before.get(label, (0, 0.0))[1])
+                for label, (w, t) in row.items()
+            }
+            state.calls[index] += 1
         return run(module, *args, **kwargs)
 
     return profiled_run
@@ -414,10 +511,12 @@ def _plan(state: _BudgetState, outside: int) -> None:
         ]
         worst = max(range(len(ranks)), key=lambda i: per_rank[i])
         who = f"rank {worst} needs most: {per_rank[worst]:,} bytes, " if len(ranks) > 1 else ""
+        least = [labels[b][min(range(len(blk)), key=lambda c: blk[c][0])]
+                 for b, blk in enumerate(costs)]
         raise RematUsageError(
             f"remat_dist.MemoryBudget: a budget of {budget:,} bytes ({human(budget)}) "
             f"cannot be met: the smallest feasible budget is {smallest:,} bytes "
-            f"({human(smallest)}), every block recomputed in full ({who}{outside_max:,} "
+            f"({human(smallest)}), {_describe_least(least)} ({who}{outside_max:,} "
             "bytes of it outside the blocks). The gradients of this profiling "
             "step are right, but do "
             f"not go on with this budget. Fix: MemoryBudget(bytes={smallest}) or more, "
@@ -458,6 +557,17 @@ def _plan(state: _BudgetState, outside: int) -> None:
             )
     state.plan = plan
     log.info("MemoryBudget plan, applied from the next step:\n%s", plan.format())
+
+
+def _describe_least(labels: list[str]) -> str:
+    """The plan of least bytes in words (its decision per block)."""
+    if all(label == "full" for label in labels):
+        return "every block recomputed in full"
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    parts = [f"{label!r} for {n} block{'s' if n > 1 else ''}" for label, n in counts.items()]
+    return "each block at its fewest bytes: " + ", ".join(parts)
 
 
 def _install_plan(state: _BudgetState) -> None:

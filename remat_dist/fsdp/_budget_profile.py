@@ -4,23 +4,28 @@ candidate of a block, taken in the profiling step (see ``remat_dist.fsdp._budget
 * :class:`Counter` counts saved bytes as ``remat_dist.testing.SavedBytesCounter``
   does (unique storages, parameters apart); around the model's forward it chains to
   the caller's saved-tensor hooks, around a side pass it keeps what it sees.
-* :func:`profile_block` runs the side passes of one block on its real inputs, with
-  the RNG states put back after them, and returns ``{decision: (bytes, seconds)}``.
+* :func:`profile_block` runs the side passes of one block on copies of its inputs,
+  with the RNG states and the block's buffers put back after them, and returns
+  ``{decision: (bytes, seconds)}``.
 * :func:`candidates` lists a block's decisions; :func:`parse_bytes` reads
   ``"1.5GiB"``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from remat_dist.core import (
     checkpoint,
@@ -30,10 +35,11 @@ from remat_dist.core import (
 )
 from remat_dist.distributed import CPURNGStateHook, default_state_hooks
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp._patch import call_block, install_region, uninstall
+from remat_dist.fsdp._patch import REGION_ATTR, call_block, install_region
 
 __all__ = [
     "DEFAULT_REGION_NAMES",
+    "MAX_BYTES",
     "MAX_REGIONS",
     "Candidate",
     "Counter",
@@ -50,6 +56,9 @@ DEFAULT_REGION_NAMES = ("attention", "attn", "self_attn", "mlp", "feed_forward",
 MAX_REGIONS = 4
 """Most save regions per block (candidates grow as ``2**regions``)."""
 
+MAX_BYTES = 2**63 - 1
+"""Largest byte count :func:`parse_bytes` accepts (an int64)."""
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -58,20 +67,39 @@ def parse_bytes(text: str | int) -> int:
     """``"1.5GiB"``, ``"512 MiB"``, ``"1e6"``, ``"4096"`` or an int -> bytes (int).
 
     Binary (``KiB``, ``MiB``, ``GiB``, ``TiB``) and decimal (``KB``, ``MB``, ...)
-    suffixes, case-insensitive. Raises ``ValueError`` naming the text otherwise.
+    suffixes, case-insensitive; the arithmetic is exact (``"1.1KB"`` is 1100).
+    Raises ``ValueError`` naming the text for anything else, for a count that is
+    not a whole number of bytes (``"0.5"``) and for one above ``MAX_BYTES``.
     """
     if isinstance(text, bool):
         raise ValueError(f"a byte count must be an int or a string, got {text!r}")
     if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as a byte count: use an int or a number with a "
-            "suffix KiB, MiB, GiB, TiB (or KB, MB, GB, TB), e.g. '1.5GiB'."
+        value = Fraction(text)
+    else:
+        m = re.fullmatch(
+            r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text)
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read {text!r} as a byte count: use an int or a number with a "
+                "suffix KiB, MiB, GiB, TiB (or KB, MB, GB, TB), e.g. '1.5GiB'."
+            )
+        number = m.group(1)
+        exponent = re.search(r"[eE]([+-]?[0-9]+)$", number)
+        if exponent is not None and abs(int(exponent.group(1))) > 30:
+            raise ValueError(f"{text!r} is out of range for a byte count.")
+        value = Fraction(number) * _UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(
+            f"{text!r} is {float(value):g} bytes, not a whole number of bytes. Fix: "
+            f"give whole bytes, e.g. {math.ceil(value)}."
+        )
+    if value > MAX_BYTES:
+        raise ValueError(
+            f"{text!r} is more than {MAX_BYTES:,} bytes, out of range for a byte count."
+        )
+    return int(value)
 
 
 def human(n: int) -> str:
@@ -107,7 +135,8 @@ class Counter:
             self.activations[key] = local.untyped_storage().nbytes()
         outer = self._outer
         if outer is None:
-            return t.detach()
+            # the version too: autograd skips its own check for hooked tensors
+            return t.detach(), t._version
         if isinstance(outer, saved_tensors_hooks):
             return outer.pack_with(t, current_saved_tensor_info())
         return outer[0](t)
@@ -115,7 +144,15 @@ class Counter:
     def _unpack(self, packed: Any) -> torch.Tensor:
         outer = self._outer
         if outer is None:
-            return packed
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been "
+                    f"modified by an inplace operation: [{t.type()} {list(t.shape)}] "
+                    f"is at version {t._version}; expected version {version} instead "
+                    "(seen by remat_dist.MemoryBudget's saved-bytes counter)."
+                )
+            return t
         if isinstance(outer, saved_tensors_hooks):
             return outer.unpack_with(packed)
         return outer[1](packed)
@@ -230,14 +267,21 @@ def profile_block(
     repeats: int,
 ) -> dict[str, tuple[int, float]]:
     """``{decision: (saved bytes, recompute seconds)}`` of each candidate of block
-    ``name``, from side passes on its real inputs (their graphs dropped at once);
-    the RNG states are as they were when it returns."""
+    ``name``, from side passes (their graphs dropped at once) on fresh copies of
+    its tensor inputs, so that in-place updates of an input stay in the copy. When
+    it returns, the RNG states and the block's buffers (its submodules' included:
+    BatchNorm statistics, token counters) are as they were before."""
     hooks = _rng_hooks(state_hooks)
     snaps = [h.snapshot() for h in hooks]
+    buffers = _snapshot_buffers(module)
+    inputs = (args, kwargs)
 
-    def restore() -> None:
+    def restore(fresh: bool = True) -> Any:
+        """Put the RNG states and the buffers back; fresh copies of the inputs."""
         for h, s in zip(hooks, snaps):
             h.restore(s)
+        _restore_buffers(buffers)
+        return tree_map(functools.partial(_copy_input, params=params), inputs) if fresh else None
 
     row: dict[str, tuple[int, float]] = {}
     try:
@@ -247,24 +291,28 @@ def profile_block(
             collectives=collectives,
         )(call_block)
         for cand in cands:
-            restore()
+            a, kw = restore()
             with Counter(params, chain=False) as count:
                 if cand.regions is None:
-                    out = call_block(module, *args, **kwargs)
+                    out = call_block(module, *a, **kw)
                 else:
-                    for path in cand.regions:
-                        install_region(module.get_submodule(path), path, "save", block=name)
+                    patched = []
                     try:
-                        out = run(module, *args, **kwargs)
-                    finally:
                         for path in cand.regions:
-                            uninstall(module.get_submodule(path))
-            del out
+                            sub = module.get_submodule(path)
+                            patched.append((sub, _patch_state(sub)))
+                            install_region(sub, path, "save", block=name)
+                        out = run(module, *a, **kw)
+                    finally:
+                        # exactly as before, whatever failed (LIFO: a patch over a patch)
+                        for sub, before in reversed(patched):
+                            _put_back(sub, before)
+            del out, a, kw
             row[cand.label] = (count.total, 0.0)
         paths = sorted({p for c in cands for p in (c.regions or ())})
-        block_s, region_s = _time_block(module, paths, args, kwargs, restore, repeats)
+        block_s, region_s = _time_block(module, paths, restore, repeats)
     finally:
-        restore()
+        restore(fresh=False)
     for cand in cands:
         if cand.regions is None:
             t = 0.0
@@ -274,17 +322,114 @@ def profile_block(
     return row
 
 
+_PATCH_KEYS = (REGION_ATTR, "_call_impl", "forward")
+
+
+def _patch_state(sub: nn.Module) -> dict[str, Any]:
+    """The instance attributes :func:`install_region` may set on ``sub``."""
+    return {k: sub.__dict__[k] for k in _PATCH_KEYS if k in sub.__dict__}
+
+
+def _put_back(sub: nn.Module, before: dict[str, Any]) -> None:
+    for k in _PATCH_KEYS:
+        if k in before:
+            sub.__dict__[k] = before[k]
+        else:
+            sub.__dict__.pop(k, None)
+
+
+def _snapshot_buffers(module: nn.Module) -> list[list[Any]]:
+    """``[owner, name, tensor, copy, version]`` of every buffer of ``module`` and
+    its submodules, for :func:`_restore_buffers`."""
+    out = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is None:
+                continue
+            with torch.no_grad():
+                copy = None if id(buf) in seen else buf.detach().clone()
+            seen.add(id(buf))
+            out.append([sub, key, buf, copy, buf._version])
+    return out
+
+
+def _restore_buffers(snapshot: list[list[Any]]) -> None:
+    """Undo the side passes' buffer updates: the same tensor objects (reassigned
+    ones put back), with their values copied back in place where they changed (an
+    untouched buffer keeps its version: autograd may have saved it). Kernels such
+    as batch norm update their buffers without a version bump, hence the values
+    compared too."""
+    with torch.no_grad():
+        for entry in snapshot:
+            sub, key, buf, copy, version = entry
+            if sub._buffers.get(key) is not buf:
+                sub._buffers[key] = buf
+            if copy is None:
+                continue
+            same = (
+                buf._version == version
+                and type(buf) is torch.Tensor
+                and torch.equal(buf, copy)
+            )
+            if not same:
+                buf.copy_(copy)
+                entry[4] = buf._version
+
+
+def _copy_input(x: Any, *, params: set[Any]) -> Any:
+    """A side pass's copy of one input leaf, so that the block's in-place updates
+    of its inputs stay in the copy: plain tensors get a new storage of the same
+    size at the same offset and strides (the bytes counted stay those of the real
+    input); ``requires_grad`` as the original, and a non-leaf for a non-leaf (an
+    in-place update of a leaf that requires grad would raise). Parameters and
+    non-tensors are passed as they are."""
+    if not isinstance(x, torch.Tensor) or isinstance(x, nn.Parameter):
+        return x
+    local = plain(x)
+    if (local.device, local.untyped_storage()._cdata) in params:
+        return x
+    if type(x) is not torch.Tensor or x.layout != torch.strided or x.is_meta:
+        leaf = x.detach().clone().requires_grad_(x.requires_grad)
+        return leaf.clone() if x.grad_fn is not None else leaf
+
+    def make() -> torch.Tensor:
+        with torch.no_grad():
+            storage = x.untyped_storage()
+            fresh = torch.UntypedStorage(storage.nbytes(), device=x.device)
+            fresh.copy_(storage)
+            out = torch.empty(0, dtype=x.dtype, device=x.device)
+            return out.set_(fresh, x.storage_offset(), x.size(), x.stride())
+
+    if x.grad_fn is not None:
+        anchor = torch.zeros((), device=x.device, requires_grad=True)
+        return _NonLeaf.apply(anchor, make)
+    return make().requires_grad_(x.requires_grad)
+
+
+class _NonLeaf(torch.autograd.Function):
+    """``make()`` as a non-leaf that requires grad (its graph ends here)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, make: Any) -> torch.Tensor:
+        return make()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
 def _time_block(
     module: nn.Module,
     paths: list[str],
-    args: tuple,
-    kwargs: dict,
     restore: Any,
     repeats: int,
 ) -> tuple[float, dict[str, float]]:
     """Minimum over ``repeats`` of the block's grad-enabled forward time (what a
-    replay runs) and of each region's calls inside it."""
-    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    replay runs) and of each region's calls inside it; ``restore()`` puts the
+    state back and gives fresh ``(args, kwargs)`` before each pass."""
+    args, kwargs = restore()
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in tree_leaves((args, kwargs)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # CPU: this process's CPU time, blind to other processes sharing the cores
     # (a busy machine); an accelerator: wall time after a device sync.
@@ -308,8 +453,9 @@ def _time_block(
         handles.append(sub.register_forward_pre_hook(pre))
         handles.append(sub.register_forward_hook(post))
     try:
-        for _ in range(repeats):
-            restore()
+        for i in range(repeats):
+            if i:
+                args, kwargs = restore()
             current.clear()
             sync()
             t0 = clock()
@@ -318,7 +464,7 @@ def _time_block(
                 out = call_block(module, *args, **kwargs)
             sync()
             block_s = min(block_s, clock() - t0)
-            del out
+            del out, args, kwargs
             for p in paths:
                 region_s[p] = min(region_s[p], current.get(p, 0.0))
     finally:

@@ -8,6 +8,7 @@ The distributed half (2 gloo ranks, unequal batches) is tests/fsdp/test_budget_d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -289,3 +290,257 @@ def test_micro_batches_of_the_profiling_step_and_later_steps():
     assert all(b <= budget for b in second[0]) and second[0][0] > full
     assert current_plan(model).measured_bytes == second[0][0]
     assert grads_equal(first[1], ref[0][1]) and grads_equal(second[1], ref[1][1])
+
+
+# -- small models for the edge cases ---------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int, bn: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.bn = torch.nn.BatchNorm1d(4 * d) if bn else None
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        return self.b(F.gelu(h))
+
+
+class _Blk(torch.nn.Module):
+    def __init__(self, d: int = 16, bn: bool = False) -> None:
+        super().__init__()
+        self.attention = torch.nn.Linear(d, d)
+        self.mlp = _MLP(d, bn)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)  # a counter buffer, like an MoE's tokens per expert
+        x = x + torch.tanh(self.attention(x))
+        return x + self.mlp(x)
+
+
+@dataclasses.dataclass
+class _Out:  # not registered with torch's pytree
+    y: torch.Tensor
+
+
+class _Net(torch.nn.Module):
+    """3 blocks; ``out="dict"`` returns ``{"y": ...}``, ``"dataclass"`` an ``_Out``,
+    ``"attr"`` None (the output kept as ``self.y``); ``order`` the block calls."""
+
+    def __init__(self, bn: bool = False, out: str = "tensor", order=(0, 1, 2)) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Blk(bn=bn) for _ in range(3)])
+        self.head = torch.nn.Linear(16, 1)
+        self.out, self.order = out, order
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.blocks[i](x)
+        y = self.head(x)
+        if self.out == "attr":
+            self.y = y
+            return None
+        return {"y": y, "dict": {"y": y}, "dataclass": _Out(y)}.get(self.out, y)
+
+
+def _net(policy=None, **kw):
+    torch.manual_seed(0)
+    model = _Net(**kw)
+    if policy is not None:
+        apply_remat(model, blocks=_Blk, policy=policy)
+    return model
+
+
+def _net_steps(model, x, steps=2):
+    """Per step: the saved bytes around the forward, and the grads."""
+    out = []
+    for _ in range(steps):
+        with SavedBytesCounter(model.parameters()) as count:
+            y = model(x)
+        y = y["y"] if isinstance(y, dict) else model.y if y is None else getattr(y, "y", y)
+        y.sum().backward()
+        out.append((count.activation_bytes, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _between(x, frac=0.5, **kw):
+    """A budget ``frac`` of the way from full recompute to no checkpoint."""
+    full = _net_steps(_net("full", **kw), x, steps=1)[0][0]
+    none = _net_steps(_net(**kw), x, steps=1)[0][0]
+    return int(full + frac * (none - full))
+
+
+@pytest.mark.parametrize("out", ["dict", "dataclass", "attr"])
+def test_model_returning_a_dict(out):
+    """The end of the profiling step's backward is found through a dict output
+    (a ``ModelOutput``) or an unregistered dataclass: the plan waits for it; with no
+    tensor in the output it waits for the next forward. Gradients are those
+    without remat."""
+    x = torch.randn(8, 16)
+    ref = _net_steps(_net(out=out), x, steps=3)
+    budget = _between(x, out=out)
+    model = _net(remat.MemoryBudget(bytes=budget), out=out)
+    runs = _net_steps(model, x, steps=3)
+    plan = current_plan(model)
+    assert plan is not None and plan.measured_bytes == runs[1][0] <= budget
+    assert set(plan.decisions().values()) != {"full"}
+    for (_, g), (_, r) in zip(runs, ref):
+        assert grads_equal(g, r)
+    if out != "dict":
+        return
+    # infeasible: raised at the end of the backward, not in the forward
+    model = _net(remat.MemoryBudget(bytes=1), out="dict")
+    y = model(x)
+    with pytest.raises(RematUsageError, match="cannot be met"):
+        y["y"].sum().backward()
+
+
+def test_profiling_passes_leave_buffers_and_inputs_alone():
+    """The side passes run on copies of the inputs and put the block's buffers
+    back: BatchNorm statistics and counters as under the "full" policy (whose
+    replay updates them once more, a torch.utils.checkpoint behaviour)."""
+    from remat_dist.fsdp._budget_profile import candidates, profile_block
+
+    x = torch.randn(8, 16)
+    full, budget = _net("full", bn=True), _net(remat.MemoryBudget(bytes="10MiB"), bn=True)
+    for model in (full, budget):
+        _net_steps(model, x, steps=1)
+    assert torch.equal(budget.blocks[0].calls, torch.tensor(2))  # forward + replay
+    for (name, a), b in zip(full.named_buffers(), budget.buffers()):
+        assert torch.equal(a, b), name
+
+    # one block on its own: an in-place update of its input stays in the copies
+    class AddIn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Linear(16, 16)
+            self.register_buffer("scale", torch.ones(16))
+
+        def forward(self, h):
+            h.add_(1.0)
+            return self.mlp(h) * self.scale
+
+    block = AddIn()
+    apply_remat(torch.nn.Sequential(block), blocks=AddIn, policy="full")
+    h = torch.randn(4, 16, requires_grad=True) * 1.0  # a non-leaf, as in a model
+    before = h.detach().clone()
+    row = profile_block("b", block, candidates("b", block, None), (h,), {},
+                        params=set(), state_hooks=None, collectives="replay", repeats=1)
+    assert set(row) == {"full", "save mlp", "none"}
+    assert torch.equal(h, before) and h._version == 0
+    assert block.scale._version == 0  # an untouched buffer is not written back
+    # and in a model the real pass still sees it: the same error as under "full"
+    for policy in ("full", remat.MemoryBudget(bytes="1MiB")):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), AddIn(), AddIn())
+        apply_remat(model, blocks=AddIn, policy=policy)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(torch.randn(4, 16)).sum().backward()
+
+
+def test_plan_installed_when_the_first_forward_is_not_backpropagated():
+    x = torch.randn(8, 16)
+    model = _net(remat.MemoryBudget(bytes="10MiB"))
+    kept = model(x)  # e.g. a sanity forward; never backpropagated, still referenced
+    assert current_plan(model) is None  # chosen, not yet running
+    runs = _net_steps(model, x, steps=2)
+    plan = current_plan(model)
+    assert set(plan.decisions().values()) == {"none"} and remat_plan(model) == {}
+    assert plan.measured_bytes == runs[1][0] > runs[0][0]
+    del kept
+
+
+def test_block_never_called_raises_naming_it():
+    x = torch.randn(8, 16)
+    model = _net(remat.MemoryBudget(bytes="10MiB"), order=(0, 1))
+    y = model(x)
+    with pytest.raises(RematUsageError, match=r"never ran in the profiling forward: 'blocks.2'"):
+        y.sum().backward()
+    assert all(p.grad is not None for p in model.blocks[0].parameters())
+    with pytest.raises(RematUsageError, match="'blocks.2'"):
+        model(x)  # and every later forward
+    assert current_plan(model) is None
+
+
+def test_block_called_twice_counts_both_calls():
+    x = torch.randn(64, 16)
+    order = (0, 1, 2, 0, 1, 2)  # shared weights: each block runs twice
+    budget = _between(x, 0.6, order=order)
+    model = _net(remat.MemoryBudget(bytes=budget), order=order)
+    runs = _net_steps(model, x)
+    plan = current_plan(model)
+    assert plan.measured_bytes == plan.predicted_bytes == runs[1][0] <= budget
+    assert set(plan.decisions().values()) != {"full"}
+
+
+def test_regions_validated_and_failed_profiling_leaves_no_patch():
+    for regions, match in ((("mlp", "mlp"), "more than once"), (("",), "non-empty"),
+                           ((1,), "non-empty")):
+        with pytest.raises(RematUsageError, match=match):
+            remat.MemoryBudget(bytes=1, regions=regions)
+    assert remat.MemoryBudget(bytes=1, regions="mlp").regions == ("mlp",)
+    shared = _net()
+    shared.blocks[1].attention = shared.blocks[0].attention
+    with pytest.raises(RematUsageError, match="blocks.1.attention is also blocks.0.attention"):
+        apply_remat(shared, blocks=_Blk, policy=remat.MemoryBudget(bytes=1))
+    # a profiling forward that fails inside a side pass (forced past validation)
+    budget = remat.MemoryBudget(bytes=3000, regions=("mlp",))
+    object.__setattr__(budget, "regions", ("mlp", "mlp"))
+    model = _net(budget)
+    with pytest.raises(RematUsageError, match="entered twice"):
+        model(torch.randn(8, 16))
+    remove_remat(model)
+    left = [(n, k) for n, m in model.named_modules() for k in m.__dict__
+            if k in ("_call_impl", "forward") or k.startswith("_remat_dist")]
+    assert left == []
+    model(torch.randn(8, 16)).sum().backward()
+
+
+def test_byte_counts_edges():
+    assert parse_bytes("1.1KB") == 1100 and parse_bytes(2.0) == 2
+    for bad, match in (("1e400", "out of range"), ("0.5", "not a whole number"),
+                       (1.5, "not a whole number"), ("1e-3", "not a whole number"),
+                       (2**64, "out of range")):
+        with pytest.raises(RematUsageError, match=match):
+            remat.MemoryBudget(bytes=bad)
+
+
+def test_infeasible_message_names_the_smallest_plan():
+    """A block that saves nothing itself: its smallest option is no checkpoint."""
+
+    class Shift(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = torch.nn.Parameter(torch.zeros(16))
+
+        def forward(self, h):
+            return h + self.b  # saves nothing for backward
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Shift(), Shift(), torch.nn.Linear(16, 1))
+    apply_remat(model, blocks=Shift, policy=remat.MemoryBudget(bytes=1))
+    with pytest.raises(RematUsageError, match="each block at its fewest bytes: 'none' for 2 blocks"):
+        model(torch.randn(8, 16)).sum().backward()
+
+
+def test_plan_mismatch_keeps_raising(monkeypatch):
+    import remat_dist.fsdp._budget as budget_mod
+    from remat_dist.errors import PlanMismatchError
+
+    model = _net(remat.MemoryBudget(bytes="1MiB"))
+    monkeypatch.setattr(budget_mod, "dist_ready", lambda: True)
+    monkeypatch.setattr(  # "rank 1" has other candidates
+        budget_mod, "all_gather_objects",
+        lambda obj: [obj, dict(obj, labels=[["full", "none"]] * len(obj["labels"]))],
+    )
+    x = torch.randn(8, 16)
+    with pytest.raises(PlanMismatchError, match="other candidates"):
+        model(x)
+    calls = []
+    model.blocks[0].attention.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(PlanMismatchError, match="other candidates"):
+        model(x)  # no silent re-profiling
+    assert calls == [] and current_plan(model) is None

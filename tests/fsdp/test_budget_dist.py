@@ -63,9 +63,14 @@ def test_three_budgets_two_ranks_unequal_batches(ctx: DistContext):
         decisions = ctx.all_gather_object(plan.decisions())
         assert decisions[0] == decisions[1]
         assert set(decisions[0].values()) != {"full"}
-        # the per-block numbers are the maxima over ranks: rank 1's here
+        # the per-block numbers are the maxima over ranks: rank 1's here (twice the
+        # batch). Its full-recompute total, as the plan's numbers give it, is what
+        # rank 1 saved in the profiling step, on rank 0 too
         tables = ctx.all_gather_object([b.candidates for b in plan.blocks])
         assert tables[0] == tables[1]
+        assert ctx.all_gather_object(runs[0][0]) == fulls  # profiling: full recompute
+        planned_full = plan.outside_bytes + sum(b.candidates["full"][0] for b in plan.blocks)
+        assert planned_full == fulls[1] > fulls[0], (ctx.rank, planned_full, fulls)
         plans.append(plan)
     check_larger_budget_not_slower(plans)
 
