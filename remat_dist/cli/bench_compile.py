@@ -41,7 +41,10 @@ from remat_dist.models import GPTConfig
 from remat_dist.models.gpt import Block
 from remat_dist.testing import SavedBytesCounter
 
-__all__ = ["CompileBenchConfig", "VARIANTS", "format_table", "main", "run"]
+__all__ = ["BACKENDS", "CompileBenchConfig", "VARIANTS", "format_table", "main", "run"]
+
+BACKENDS = ("inductor", "aot_eager")
+"""Backends whose saved bytes the benchmark can measure (both run AOTAutograd)."""
 
 
 @dataclass
@@ -63,7 +66,7 @@ class CompileBenchConfig:
     warmup: int = 2
     """Untimed iterations per variant first (the first one compiles)."""
     backend: str = "inductor"
-    """``torch.compile`` backend."""
+    """``torch.compile`` backend, one of :data:`BACKENDS`."""
     threads: int = 0
     """torch.set_num_threads (0: leave as is)."""
 
@@ -116,6 +119,10 @@ def _forward(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 
 def run(cfg: CompileBenchConfig) -> list[dict[str, Any]]:
     """Every variant at ``cfg``'s size; one row (dict) per variant."""
+    if cfg.backend not in BACKENDS:
+        raise ValueError(
+            f"bench --compile: backend {cfg.backend!r} is not one of {BACKENDS}"
+        )
     torch._dynamo.reset()
     # every block shares nn.Module._call_impl's code: one cache entry per block
     limit = torch._dynamo.config.cache_size_limit
@@ -195,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--iters", type=int, default=defaults.iters)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
-    parser.add_argument("--backend", default=defaults.backend, help="inductor | aot_eager | eager")
+    parser.add_argument(
+        "--backend",
+        default=defaults.backend,
+        choices=BACKENDS,
+        help="torch.compile backend (not 'eager': without AOTAutograd, torch's "
+        "selective checkpoint keeps the save regions' outputs in its own storage, "
+        "which the saved-bytes counter cannot see)",
+    )
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the rows to this path")
     args = parser.parse_args(argv)

@@ -193,11 +193,12 @@ def _run_checkpoint(
 ) -> Any:
     """One call of a checkpointed function: refuse nesting, build its record, and
     run it through torch's non-reentrant checkpoint with the two :class:`_Phase` s."""
-    outer = frame_var.get()
+    record = frame_var.get()
+    outer = record.name if record is not None else _compile.fallback_name()
     if outer is not None:
         raise _UnsupportedOption(
             f"remat_dist.checkpoint(region_name={name!r}) was entered inside checkpoint "
-            f"{outer.name!r}: nested checkpoints are not supported. Fix: checkpoint "
+            f"{outer!r}: nested checkpoints are not supported. Fix: checkpoint "
             "the outer block only and mark the inner call with "
             f"remat_dist.region(fn, {name!r}, recompute=True), or checkpoint the "
             "inner blocks one by one instead of the outer one."

@@ -33,6 +33,26 @@ expressed in what the compiler understands.
 
 ``is_recomputing()`` is False while compiling: Dynamo traces the forward only, and
 the compiled backward recomputes graph ops, never Python.
+
+Two ways the checkpoint runs without a traced graph, where no annotation can help:
+
+* A graph break inside the body (``fullgraph=False``): Dynamo gives up on the
+  activation-checkpoint region and calls ``torch.utils.checkpoint`` eagerly (with
+  Dynamo disabled inside) on ``body``. ``body`` sees it is not compiling and keeps
+  a runtime stack instead (:data:`_fallback`: checkpoint name, mode, region name);
+  regions entered with no eager frame push onto it (:func:`fallback_region_call`),
+  :func:`_policy` reads it, and an eager checkpoint entered under it is refused as
+  nested. Torch's selective checkpoint then keeps the save regions' op outputs, as
+  the partitioner does in a graph.
+* ``backend="eager"`` (no AOTAutograd): the higher-order op runs the traced
+  subgraph under torch's checkpoint at run time through an ``fx.Interpreter`` that
+  restores each node's metadata, so :func:`_policy` reads the annotations then as
+  at trace time (and refuses an op without one, rather than recompute a save
+  region). It passes ``preserve_rng_state=False`` (torch counts on AOTAutograd to
+  replay generator states), so the run-time contexts of :func:`_sac_contexts`
+  restore them.
+
+In both, a save region's in-place ops are recomputed (:func:`_mutated_at_runtime`).
 """
 
 from __future__ import annotations
@@ -40,6 +60,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +68,8 @@ import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat_dist.core import _record
+from remat_dist.core._state import fallback_replay_var, frame_var, name_prefix_var
 from remat_dist.errors import RematUsageError
 
 if TYPE_CHECKING:
@@ -56,6 +79,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ANNOTATION",
     "compiling",
+    "fallback_active",
+    "fallback_name",
+    "fallback_region_call",
     "name_scope",
     "recompute_needs_tensor",
     "refuse",
@@ -71,6 +97,12 @@ _REGION = "remat_dist_region"
 """Key in ``node.meta["custom"]``: the region's qualified name."""
 _PREFIX = "remat_dist_prefix"
 """Key in ``node.meta["custom"]``: the ``name_scope`` prefix (``a/b/``)."""
+
+_fallback: ContextVar[tuple[str, str, str | None] | None] = ContextVar(
+    "remat_dist_compile_fallback", default=None
+)
+"""``(checkpoint name, innermost mode, region name)`` while a compiled checkpoint's
+body runs eagerly (Dynamo fell back after a graph break in it), else None."""
 
 
 def compiling() -> bool:
@@ -97,6 +129,29 @@ def _enclosing() -> tuple[str | None, str | None, str | None, str]:
 
 
 @torch._dynamo.assume_constant_result
+def _eager_checkpoint() -> str:
+    """The eager checkpoint whose forward or replay calls the code Dynamo traces
+    now (``""`` if none), read at trace time and folded in as a constant."""
+    record = frame_var.get()
+    return "" if record is None else record.name
+
+
+def _refuse_inside_eager(what: str) -> None:
+    """Refuse compiled remat code called inside an eager checkpoint: the compiled
+    graph is one autograd node to the eager record, which would neither see its
+    save regions nor skip them on replay."""
+    outer = _eager_checkpoint()
+    if outer:
+        refuse(
+            f"remat_dist: {what} is compiled (torch.compile) but called inside the "
+            f"eager checkpoint {outer!r}: the eager checkpoint sees the compiled code "
+            "as one operation and would recompute it whole, save regions included. "
+            "Fix: compile the checkpointed block itself (its checkpoint then "
+            "compiles), or keep the inner code eager (torch.compiler.disable)."
+        )
+
+
+@torch._dynamo.assume_constant_result
 def refuse(message: str) -> None:
     """Raise :class:`RematUsageError` at trace time, under ``fullgraph=True`` or not.
 
@@ -117,12 +172,65 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     recompute it (everything else)."""
     if getattr(op, "namespace", None) in ("_c10d_functional", "c10d"):
         return CheckpointPolicy.MUST_SAVE
-    custom = fx_traceback.current_meta.get("custom") or {}
-    if custom.get(ANNOTATION) == "save":
+    if _tracing():
+        custom = fx_traceback.current_meta.get("custom") or {}
+        mode = custom.get(ANNOTATION)
+    else:  # torch's checkpoint runs for real: a graph break, or backend="eager"
+        fallback = _fallback.get()
+        if fallback is not None:
+            mode = fallback[1]
+        else:  # the graph, interpreted with each node's metadata
+            custom = fx_traceback.current_meta.get("custom") or {}
+            mode = custom.get(ANNOTATION)
+            if mode is None:
+                raise RematUsageError(
+                    f"remat_dist: a compiled checkpoint ran {op} with no region "
+                    "annotation: this backend runs the checkpoint's graph without "
+                    "the node metadata the policy reads, so save regions would "
+                    'silently be recomputed. Fix: compile with backend="aot_eager" '
+                    'or "inductor".'
+                )
+        if mode == "save" and _mutated_at_runtime(op):
+            return CheckpointPolicy.MUST_RECOMPUTE
+    if mode == "save":
         return CheckpointPolicy.MUST_SAVE
     if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) and _has_opaque_inputs():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _mutated_at_runtime(op: Any) -> bool:
+    """Whether a save-region op, run eagerly under torch's selective checkpoint,
+    must be recomputed rather than kept: an in-place op, or a fresh buffer that an
+    in-place op fills next (dropout's ``empty_like(x).bernoulli_(p)``).
+
+    Eager selective checkpoint refuses a kept tensor mutated after it was kept
+    (``Tensor cached during selective activation checkpoint has been mutated``).
+    Recomputing these is cheap, and exact: the ops after them in the region are
+    kept, and torch's checkpoint restores the RNG before its replay. (Traced, the
+    graph is functional and every op is kept.)
+    """
+    schema = getattr(op, "_schema", None)
+    return op in _FRESH_BUFFERS or (schema is not None and schema.is_mutable)
+
+
+_FRESH_BUFFERS = frozenset(
+    (
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+    )
+)
+
+
+def _tracing() -> bool:
+    """Whether the policy is called while a graph is traced (Dynamo, AOTAutograd),
+    not while a checkpoint runs."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return compiling() or get_proxy_mode() is not None
 
 
 def _has_opaque_inputs() -> bool:
@@ -158,8 +266,71 @@ _OPAQUE_GRAPHS: dict[int, tuple[Any, bool]] = {}
 
 
 def _sac_contexts() -> tuple[Any, Any]:
-    """The checkpoint's ``context_fn`` (a module-level function, as Dynamo needs)."""
-    return torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+    """The checkpoint's ``context_fn`` (a module-level function, as Dynamo needs).
+
+    Called by torch's checkpoint itself when it runs for real (a graph break in the
+    body, ``backend="eager"``), the contexts also snapshot the generator states at
+    the forward and restore them around the recompute (the eager checkpoint's
+    default state hooks: ``backend="eager"`` runs torch's checkpoint with
+    ``preserve_rng_state=False``), and mark the recompute for ``is_recomputing()``,
+    since the body's Python runs again after a graph break.
+    """
+    forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+    if _tracing():
+        return forward, recompute
+    states = _RuntimeStates(_record.default_state_hooks_for_checkpoint())
+    return _RuntimeContext(forward, states, False), _RuntimeContext(recompute, states, True)
+
+
+class _RuntimeStates:
+    """The state hooks of one checkpoint run for real, and their forward states."""
+
+    def __init__(self, hooks: tuple[Any, ...]) -> None:
+        self.hooks = hooks
+        self.entry: list[Any] = []
+
+    def snapshot(self) -> list[Any]:
+        return [h.snapshot() for h in self.hooks]
+
+    def restore(self, states: list[Any]) -> None:
+        for h, state in zip(self.hooks, states):
+            h.restore(state)
+
+
+class _RuntimeContext:
+    """torch's selective-checkpoint context at run time, plus the state hooks and,
+    on the recompute, ``fallback_replay_var`` (see :func:`_sac_contexts`)."""
+
+    def __init__(self, inner: Any, states: _RuntimeStates, replay: bool) -> None:
+        self.inner = inner
+        self.states = states
+        self.replay = replay
+        self._outside: list[tuple[list[Any], Any]] = []
+
+    def __enter__(self) -> Any:
+        if not self.replay:
+            self.states.entry = self.states.snapshot()
+            return self.inner.__enter__()
+        outside = self.states.snapshot()
+        self.states.restore(self.states.entry)
+        self._outside.append((outside, fallback_replay_var.set(True)))
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            if self.replay:
+                self._leave()
+
+    def _leave(self) -> None:
+        outside, token = self._outside.pop()
+        fallback_replay_var.reset(token)
+        self.states.restore(outside)
 
 
 # -- checkpoint -------------------------------------------------------------------
@@ -180,6 +351,8 @@ def run_checkpoint(
     never Python, so no Python state can differ on its replay.
     """
     outer, _, _, _ = _enclosing()
+    if outer is None:
+        _refuse_inside_eager(f"checkpoint {name!r}")
     if outer is not None:
         refuse(
             f"remat_dist.checkpoint(region_name={name!r}) was entered inside checkpoint "
@@ -211,12 +384,72 @@ def run_checkpoint(
     call = functools.partial(fn, **kwargs) if kwargs else fn
 
     def body(*a: Any) -> Any:
+        if not compiling():  # Dynamo fell back to the eager torch checkpoint
+            return _fallback_body(call, name, a)
         with fx_traceback.annotate({_CHECKPOINT: name, ANNOTATION: "recompute"}):
             return call(*a)
 
     return torch_checkpoint.checkpoint(
         body, *args, use_reentrant=False, context_fn=_sac_contexts
     )
+
+
+def _fallback_body(call: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
+    """The body of a compiled checkpoint run eagerly by torch's checkpoint (its
+    forward, then its recompute in backward), after a graph break in it."""
+    outer = _fallback.get()
+    record = frame_var.get()
+    if outer is not None or record is not None:
+        raise RematUsageError(
+            f"remat_dist.checkpoint(region_name={name!r}) was entered inside checkpoint "
+            f"{outer[0] if outer is not None else record.name!r}: nested checkpoints "
+            "are not supported. Fix: checkpoint the outer block only and mark the "
+            f"inner call with remat_dist.region(fn, {name!r}, recompute=True), or "
+            "checkpoint the inner blocks one by one instead of the outer one."
+        )
+    token = _fallback.set((name, "recompute", None))
+    try:
+        return call(*args)
+    finally:
+        _fallback.reset(token)
+
+
+def fallback_active() -> bool:
+    """Whether a compiled checkpoint's body runs eagerly here (see module doc)."""
+    return _fallback.get() is not None
+
+
+def fallback_name() -> str | None:
+    """The compiled checkpoint whose body runs eagerly here, if any."""
+    state = _fallback.get()
+    return None if state is None else state[0]
+
+
+def fallback_region_call(
+    fn: Callable[..., Any],
+    name: str,
+    recompute: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A region call in a compiled checkpoint's body run eagerly: ``fn`` with the
+    region's mode on the runtime stack, which :func:`_policy` reads."""
+    checkpoint_name, mode, region_name = _fallback.get()  # type: ignore[misc]
+    qual = f"{checkpoint_name}::{name_prefix_var.get()}{name}"
+    if recompute and mode == "save":
+        raise RematUsageError(
+            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
+            f"{region_name!r}, whose body is never replayed. Fix: move the recompute "
+            "region out of the save region, or make it recompute=False."
+        )
+    token = _fallback.set((checkpoint_name, "recompute" if recompute else "save", qual))
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        _fallback.reset(token)
+    if not _region_output_ok(out):
+        raise RematUsageError(_bad_output(qual, out))
+    return out
 
 
 # -- regions ----------------------------------------------------------------------
@@ -233,6 +466,7 @@ def region_call(
     outside a checkpoint; inside one, ``fn`` under the region's annotation."""
     checkpoint_name, mode, region_name, prefix = _enclosing()
     if checkpoint_name is None:
+        _refuse_inside_eager(f"region {name!r}")
         return fn(*args, **kwargs)
     qual = f"{checkpoint_name}::{prefix}{name}"
     if recompute and mode == "save":
@@ -244,15 +478,39 @@ def region_call(
     with fx_traceback.annotate(
         {_REGION: qual, ANNOTATION: "recompute" if recompute else "save"}
     ):
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+    if not _region_output_ok(out):
+        refuse(_bad_output(qual, out))
+    return out
+
+
+def _bad_output(qual: str, out: Any) -> str:
+    return (
+        f"remat_dist: region {qual!r} returned a {type(out).__name__} (or a "
+        "sequence holding something else than tensors and None); a region must "
+        "return a tensor, or one tuple/list of tensors and None. Fix: return a "
+        "tuple of tensors and build dicts or nested structures outside the region."
+    )
+
+
+def _region_output_ok(out: Any) -> bool:
+    """What eager regions accept as an output (``_region._flatten_output``)."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and all(
+        x is None or isinstance(x, torch.Tensor) for x in out
+    )
 
 
 def recompute_needs_tensor(tensors: tuple[Any, ...]) -> None:
     """``recompute_needs_tensor`` while Dynamo traces: only checks the arguments.
 
     The partitioner keeps every output of a save region (``MUST_SAVE``) that
-    backward or a recompute reads, so nothing needs persisting by hand.
+    backward or a recompute reads, so nothing needs persisting by hand. Outside a
+    checkpoint it is a no-op, as in eager.
     """
+    if _enclosing()[0] is None:
+        return
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             refuse(

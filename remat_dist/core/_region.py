@@ -55,6 +55,10 @@ class _RegionCall:
             return _compile.region_call(self.fn, self.name, self.recompute, args, kwargs)
         record = frame_var.get()
         if record is None:
+            if _compile.fallback_active():  # a compiled checkpoint's body, run eagerly
+                return _compile.fallback_region_call(
+                    self.fn, self.name, self.recompute, args, kwargs
+                )
             if _record._observers:
                 return _region_plain(self, args, kwargs)
             return self.fn(*args, **kwargs)

@@ -28,6 +28,10 @@ name_prefix_var: ContextVar[str] = ContextVar("remat_dist_name_prefix", default=
 hooks_var: ContextVar[tuple[Any, ...]] = ContextVar("remat_dist_hooks", default=())
 """The stack of ``remat_dist.saved_tensors_hooks`` active in this context."""
 
+fallback_replay_var: ContextVar[bool] = ContextVar("remat_dist_fallback_replay", default=False)
+"""True while torch's checkpoint replays the body of a compiled checkpoint that
+Dynamo ran eagerly after a graph break (``core._compile``)."""
+
 
 def current_frame() -> CheckpointRecord | None:
     """The checkpoint frame running in this context, or None (always None while
@@ -50,4 +54,6 @@ def is_recomputing() -> bool:
         # never Python (docs/compile.md)
         return False
     frame = frame_var.get()
-    return frame is not None and frame.replaying
+    if frame is None:
+        return fallback_replay_var.get()
+    return frame.replaying

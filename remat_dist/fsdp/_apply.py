@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._logging import get_logger
 from remat_dist.core import RecomputeStateHook, checkpoint
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
@@ -73,6 +74,8 @@ __all__ = [
 
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -276,6 +279,7 @@ def apply_remat(
         collectives=collectives,
         determinism_check=determinism_check,
     )
+    _forget_compiled(model, "apply_remat")
     if budget is not None:
         # before anything changes: a bad region list fails here
         attach = attach_budget(
@@ -336,7 +340,30 @@ def remove_remat(model: nn.Module) -> nn.Module:
     detach_budget(model)
     for _, module in model.named_modules():
         uninstall(module)
+    _forget_compiled(model, "remove_remat")
     return model
+
+
+def _forget_compiled(model: nn.Module, caller: str) -> None:
+    """Drop Dynamo's compiled graphs if a module of ``model`` was compiled
+    (``module.compile()``): they hold the previous plan, and Dynamo does not guard
+    on the per-instance ``_call_impl`` through which a policy region runs, so the
+    next call would reuse them. ``torch._dynamo.reset()`` is process-wide; the next
+    call of every compiled function recompiles."""
+    compiled = [
+        n or "<model>"
+        for n, m in model.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
+    if compiled:
+        log.info(
+            "%s: %d compiled module(s) (%s) change plan: torch._dynamo.reset(), "
+            "the next call recompiles",
+            caller,
+            len(compiled),
+            ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else ""),
+        )
+        torch._dynamo.reset()
 
 
 def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:

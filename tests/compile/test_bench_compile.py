@@ -27,3 +27,13 @@ def test_bench_compile_cli(tmp_path, capsys):
     assert saved["compiled remat attention kept"] < saved["compiled none"]
     assert rows["compiled torch.utils.checkpoint"]["x_torch"] == 1.0
     assert all(r["time_ms"] > 0 and r["backend"] == "aot_eager" for r in rows.values())
+
+
+def test_bench_compile_refuses_eager_backend(capsys):
+    """backend "eager" keeps save regions in torch's selective-checkpoint storage,
+    which the saved-bytes column cannot see: not offered."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--compile", "--backend", "eager"])
+    assert "invalid choice: 'eager'" in capsys.readouterr().err

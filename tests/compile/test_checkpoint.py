@@ -4,10 +4,13 @@
 What is compared, and how exactly:
 
 * gradients: compiled remat vs eager remat (and vs the model without remat),
-  bitwise with backends ``eager``/``aot_eager`` (the same ATen ops on the same
-  data); with ``inductor`` within ``rtol=1e-5, atol=1e-5`` of eager (fused
-  kernels sum in another order; measured max abs diff 6e-6 on gradients up to 30),
-  and bitwise equal to the same block compiled by inductor without remat;
+  bitwise with backend ``aot_eager`` for the blocks below (``eager``: in
+  test_fallback.py; the same ATen
+  ops on the same data; not a general guarantee: a parameter used several times
+  accumulates its gradient in another order, ~1e-7 relative, as compiled
+  ``torch.utils.checkpoint`` itself does); with ``inductor`` within a relative
+  ``INDUCTOR_RTOL`` of the largest gradient (fused kernels sum in another order),
+  and bitwise equal to this block compiled by inductor without remat;
 * bytes saved for backward: one independent counter
   (``remat_dist.testing.SavedBytesCounter``, an outermost saved-tensors hook, which
   also sees what a compiled graph saves) around both forwards: equal, except the
@@ -30,7 +33,9 @@ from tests.compile._common import assert_grads_equal, fresh_dynamo, step
 
 CFG = GPTConfig(seq_len=16, dim=32, n_heads=4, dropout=0.0)
 RNG_STATE_BYTES = torch.get_rng_state().nbytes
-INDUCTOR_TOL = {"rtol": 1e-5, "atol": 1e-5}
+INDUCTOR_RTOL = 1e-5
+"""Per gradient: max |inductor - eager| <= INDUCTOR_RTOL * the largest |gradient| of
+all (a gradient near zero, as a key bias's, has no scale of its own)."""
 
 
 def _block(policy, cfg=CFG):
@@ -82,19 +87,19 @@ class _Regions(torch.nn.Module):
         return self.run(x)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_regions_fullgraph_equal_eager(backend):
+def test_regions_fullgraph_equal_eager():
     """Save and recompute regions, name_scope, recompute_needs_tensor and
-    is_recomputing trace in one graph; grads and saved bytes equal eager remat."""
+    is_recomputing trace in one graph; grads and saved bytes equal eager remat.
+    (backend="eager" keeps the save regions in torch's selective-checkpoint
+    storage, which the counter does not see: test_fallback.py.)"""
     fresh_dynamo()
     eager = _Regions()
     eager_bytes, eager_grads = step(eager, X, _loss)
     compiled = _Regions()
-    compiled.compile(backend=backend, fullgraph=True)
+    compiled.compile(backend="aot_eager", fullgraph=True)
     got_bytes, got_grads = step(compiled, X, _loss)
     assert_grads_equal(eager_grads, got_grads)
-    if backend == "aot_eager":  # "eager" runs no partitioner: keeps everything
-        assert got_bytes == eager_bytes
+    assert got_bytes == eager_bytes
     # eager remat keeps the input and the two save regions' outputs and saves
     assert eager_bytes < step(_Plain(), X, _loss)[0]
 
@@ -135,8 +140,9 @@ def test_block_equals_eager_remat(policy):
 
 
 def test_block_inductor_within_tolerance():
-    """Inductor (CPU): grads within INDUCTOR_TOL of eager remat and bitwise equal to
-    inductor without remat; saved bytes those of eager remat."""
+    """Inductor (CPU): grads within INDUCTOR_RTOL (relative to the largest) of eager
+    remat and bitwise equal to inductor without remat; saved bytes those of eager
+    remat."""
     fresh_dynamo()
     eager_bytes, eager = step(_block("full"), X, _loss)
     plain = _block(None)
@@ -146,7 +152,10 @@ def test_block_inductor_within_tolerance():
     block = _block("full")
     block.compile(backend="inductor", fullgraph=True)
     got_bytes, got = step(block, X, _loss)
-    assert_grads_equal(eager, got, **INDUCTOR_TOL)
+    scale = max(ref.abs().max().item() for ref in eager.values())
+    for name, ref in eager.items():
+        diff = (got[name] - ref).abs().max().item()
+        assert diff <= INDUCTOR_RTOL * scale, (name, diff, scale)
     assert_grads_equal(plain_grads, got)
     # inductor adds its own 16-byte seed buffer next to the stashed state
     assert 0 <= got_bytes - eager_bytes - RNG_STATE_BYTES <= 64, (got_bytes, eager_bytes)
@@ -187,3 +196,31 @@ def test_whole_model_fullgraph():
     ref.loss(tokens, targets).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_replan_after_compile(caplog):
+    """remove_remat + apply_remat with another policy on a compiled block: the next
+    call recompiles with the new plan (apply_remat/remove_remat reset Dynamo)."""
+    import logging
+
+    from remat_dist.fsdp import remove_remat
+
+    caplog.set_level(logging.INFO, logger="remat_dist")
+
+    expected = {}
+    for policy in ("full", {"attention": "save"}, None):
+        fresh_dynamo()
+        expected[str(policy)] = step(_block(policy), X, _loss)[0]
+    fresh_dynamo()
+    block = _block(None)
+    model = torch.nn.Sequential(block)
+    remat.apply_remat(model, blocks=Block, policy="full")
+    block.compile(backend="aot_eager", fullgraph=True)
+    full_bytes = step(block, X, _loss)[0]
+    assert full_bytes == expected["full"] + RNG_STATE_BYTES
+    remove_remat(model)
+    assert "remove_remat: 1 compiled module(s) (0)" in caplog.text
+    remat.apply_remat(model, blocks=Block, policy={"attention": "save"})
+    assert step(block, X, _loss)[0] == expected[str({"attention": "save"})]
+    remove_remat(model)
+    assert step(block, X, _loss)[0] == expected["None"]

@@ -102,7 +102,42 @@ def test_state_hooks_accepted_and_not_needed():
     fn = remat.checkpoint(region_name="blk", recompute_state_hooks=(Hook(),))(
         lambda x: torch.nn.functional.dropout(x.sin(), 0.5)
     )
+    fresh_dynamo()
+    x = torch.randn(4, 4, requires_grad=True)
     torch.manual_seed(0)
-    out = _compile_and_run(fn, True)
-    out.sum().backward()
+    torch.compile(fn, backend="aot_eager", fullgraph=True)(x).sum().backward()
     assert calls == []
+    # the recomputed dropout mask is the forward's: the gradient of the function
+    # without checkpoint (aot_eager draws as eager does)
+    ref = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(0)
+    torch.nn.functional.dropout(ref.sin(), 0.5).sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_region_output_checked(graph_break):
+    """A region returning a dict is refused, as in eager (at trace time, or when the
+    body runs after a graph break)."""
+
+    def body(t):
+        if graph_break:
+            torch._dynamo.graph_break()
+        return remat.region(lambda u: {"a": u.sin()}, "r", recompute=True)(t)["a"]
+
+    fn = remat.checkpoint(region_name="d")(body)
+    with pytest.raises(Exception) as ei:
+        _compile_and_run(fn, not graph_break)
+    msg = str(_raised_usage_error(ei))
+    assert "region 'd::r' returned a dict" in msg and "Fix:" in msg
+
+
+def test_needs_tensor_outside_checkpoint_is_noop():
+    """recompute_needs_tensor outside a checkpoint accepts anything, as in eager."""
+
+    def fn(x):
+        a, b = remat.region(lambda t: (t.sin(), None), "r", recompute=False)(x)
+        remat.recompute_needs_tensor(a, b)
+        return a
+
+    assert _compile_and_run(fn, True).shape == (4, 4)
