@@ -346,9 +346,12 @@ def run_checkpoint(
 ) -> Any:
     """One call of a checkpointed function while Dynamo traces.
 
-    ``hooks`` (``recompute_state_hooks``) are accepted and not called: the compiled
-    backward recomputes graph ops from saved tensors and stashed generator states,
-    never Python, so no Python state can differ on its replay.
+    ``hooks`` (``recompute_state_hooks``) are not called while the block compiles
+    into one graph: its backward recomputes graph ops from saved tensors and stashed
+    generator states, never Python, so no Python state can differ on its replay.
+    After a graph break the body's Python does run again in backward, and there the
+    hooks are snapshotted at its forward and restored around its recompute, as in
+    eager remat (on top of the default RNG hooks, which always run there).
     """
     outer, _, _, _ = _enclosing()
     if outer is None:
@@ -382,10 +385,11 @@ def run_checkpoint(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     call = functools.partial(fn, **kwargs) if kwargs else fn
+    entry_states: list[Any] = []
 
     def body(*a: Any) -> Any:
         if not compiling():  # Dynamo fell back to the eager torch checkpoint
-            return _fallback_body(call, name, a)
+            return _fallback_body(call, name, a, hooks or (), entry_states)
         with fx_traceback.annotate({_CHECKPOINT: name, ANNOTATION: "recompute"}):
             return call(*a)
 
@@ -394,9 +398,32 @@ def run_checkpoint(
     )
 
 
-def _fallback_body(call: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
+def _fallback_body(
+    call: Callable[..., Any],
+    name: str,
+    args: tuple[Any, ...],
+    hooks: tuple[RecomputeStateHook, ...],
+    entry_states: list[Any],
+) -> Any:
     """The body of a compiled checkpoint run eagerly by torch's checkpoint (its
-    forward, then its recompute in backward), after a graph break in it."""
+    forward, then its recompute in backward), after a graph break in it. The user's
+    state ``hooks`` are snapshotted into ``entry_states`` at the forward and
+    restored around the recompute."""
+    if hooks and fallback_replay_var.get():
+        outside = [h.snapshot() for h in hooks]
+        for h, state in zip(hooks, entry_states):
+            h.restore(state)
+        try:
+            return _fallback_run(call, name, args)
+        finally:
+            for h, state in zip(hooks, outside):
+                h.restore(state)
+    if hooks:
+        entry_states[:] = [h.snapshot() for h in hooks]
+    return _fallback_run(call, name, args)
+
+
+def _fallback_run(call: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
     outer = _fallback.get()
     record = frame_var.get()
     if outer is not None or record is not None:

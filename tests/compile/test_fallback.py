@@ -216,3 +216,45 @@ def test_dropout_equals_eager_remat(how):
         f(x).square().sum().backward()
         grads.append({"x": x.grad})
     assert_grads_equal(*grads)
+
+
+class _ScaleHook:
+    """A user state hook over a Python value the body reads."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def snapshot(self):
+        return self.state["scale"]
+
+    def restore(self, value):
+        self.state["scale"] = value
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_user_state_hooks_replay_compiled(graph_break):
+    """A user's recompute_state_hooks keep a Python value aligned for the replay:
+    after a graph break the body's Python runs again in backward and the hooks are
+    restored around it as in eager remat; without one the compiled backward runs
+    no Python. Either way the gradients are eager remat's, not those of the value
+    changed after forward."""
+    state = {"scale": 1.0}
+
+    def body(t):
+        h = t.sin() * state["scale"]
+        if graph_break:
+            torch._dynamo.graph_break()
+        return h.cos()
+
+    fn = remat.checkpoint(region_name="blk", recompute_state_hooks=[_ScaleHook(state)])(body)
+    grads = []
+    for f in (fn, torch.compile(fn, backend="aot_eager")):
+        fresh_dynamo()
+        state["scale"] = 1.0
+        x = X.clone().requires_grad_(True)
+        loss = f(x).square().sum()
+        state["scale"] = 5.0
+        loss.backward()
+        assert state["scale"] == 5.0
+        grads.append({"x": x.grad})
+    assert_grads_equal(*grads)
