@@ -284,14 +284,19 @@ def _replay_first(anchor: Any, out: Any) -> None:
     replay (torch_remat's timing): before any node of the checkpoint runs, a
     pre-hook on its output nodes unpacks the anchor, the first tensor packed under
     torch's checkpoint hook. So no user unpack of what the checkpoint keeps comes
-    before the replay, and an offloader can prepare at the replay's start."""
-    done: list[int] = []
+    before the replay, and an offloader can prepare at the replay's start.
+
+    The anchor is dropped once unpacked: its node never runs in backward, so its
+    saved tensor (torch's holder, whose unpack reaches torch's checkpoint frame and
+    so the checkpoint's inputs) would otherwise live as long as the output nodes,
+    after backward too, while the caller keeps the loss. A second backward through
+    a graph kept with ``retain_graph=True`` therefore starts its replay at its
+    first unpack, as torch's checkpoint does."""
+    held = [anchor]
 
     def prehook(grad_outputs: Any) -> None:
-        task = torch._C._current_graph_task_id()
-        if task not in done:
-            done[:] = [task]
-            anchor.saved_tensors  # noqa: B018 - the unpack is the point
+        if held:
+            held.pop().saved_tensors  # noqa: B018 - the unpack is the point
 
     nodes = {
         id(t.grad_fn): t.grad_fn

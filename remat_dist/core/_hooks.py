@@ -117,7 +117,10 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
     persisted outputs of save regions are unpacked during the replay, where it
     skips each region, in region order; the saves of save regions are unpacked
     after the replay, as backward reaches their nodes. Each unpack goes to the pair
-    that packed it, also after its ``with`` block has exited.
+    that packed it, also after its ``with`` block has exited. (A second backward
+    through a graph kept with ``retain_graph=True`` replays at its first unpack
+    instead, as torch's checkpoint does: holding the replay's trigger past the
+    first backward would keep the checkpoint's inputs alive as long as the loss.)
 
     Args:
         pack_hook: ``tensor -> packed``. Inside a save region it receives a detached

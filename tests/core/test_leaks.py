@@ -69,3 +69,45 @@ def _steps(run, hooks, refs):
         del out, x  # the graph is dropped without backward
         alive = [i for i, r in enumerate(refs) if r() is not None]
         assert not alive, f"step {step}: saved tensors {alive} outlive their graph"
+
+
+@pytest.mark.parametrize("hooks", ["remat", "torch"])
+def test_backward_frees_checkpoint_inputs_while_the_loss_is_kept(hooks):
+    """Under user saved-tensor hooks, what the checkpoint keeps (its inputs, a save
+    region's saves) is freed by backward itself, as torch's checkpoint does, not
+    when the caller drops the loss (a training loop keeps it until the next step:
+    a step's activations would overlap the next one's)."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def block(x):
+        y = remat.region(torch.exp, "exp", recompute=False)(x @ w)
+        remat.recompute_needs_tensor(y)
+        return y.sin() @ w
+
+    run = remat.checkpoint(region_name="layers.0")(block)
+    refs: list[weakref.ref] = []
+
+    def pack(t):
+        refs.append(weakref.ref(t))
+        return t
+
+    pair = (
+        remat.saved_tensors_hooks(pack, lambda t: t)
+        if hooks == "remat"
+        else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    )
+    gc.disable()
+    try:
+        for step in range(5):
+            x = torch.randn(4, 8, requires_grad=True) * 1.0  # a fresh activation
+            refs.append(weakref.ref(x))
+            with pair:
+                loss = run(x).sum()
+            del x
+            loss.backward()
+            alive = [i for i, r in enumerate(refs) if r() is not None]
+            assert not alive, f"step {step}: tensors {alive} outlive the backward"
+            assert remat.is_recomputing() is False and len(remat.core.live_records()) == 0
+            # loss kept, as a loop does until its next step
+    finally:
+        gc.enable()
