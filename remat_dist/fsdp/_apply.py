@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from remat_dist._logging import get_logger
-from remat_dist.core import RecomputeStateHook, checkpoint
+from remat_dist.core import CheckpointRecord, RecomputeStateHook, checkpoint
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
@@ -57,6 +58,7 @@ from remat_dist.fsdp._budget import MemoryBudget, attach_budget, detach_budget
 from remat_dist.fsdp._patch import (
     BLOCK_ATTR,
     REGION_ATTR,
+    blocks_with_live_graphs,
     call_block,
     install_block,
     install_region,
@@ -98,6 +100,11 @@ class BlockRemat:
     """The instance ``forward`` the block had before (None: the class's)."""
     run: Any = field(default=None, repr=False)
     """The checkpointed ``(module, *args, **kwargs) -> out`` callable."""
+    pending: weakref.WeakSet[CheckpointRecord] = field(
+        default_factory=weakref.WeakSet, repr=False, compare=False
+    )
+    """The block's checkpoint records whose autograd graph is still alive: a
+    backward through them would replay the block as its forward ran it."""
 
 
 
@@ -333,7 +340,22 @@ def _mark_step(module: nn.Module, args: Any) -> None:
 
 def remove_remat(model: nn.Module) -> nn.Module:
     """Undo every :func:`apply_remat` on ``model`` (blocks and policy regions);
-    returns ``model``. A no-op where nothing was applied."""
+    returns ``model``. A no-op where nothing was applied.
+
+    Raises :class:`RematUsageError` while a graph built through a checkpointed
+    block is alive (its backward would replay the block without the regions its
+    forward ran): run that backward, or drop its outputs, first."""
+    live = blocks_with_live_graphs(model.modules())
+    if live:
+        shown = ", ".join(repr(n) for n in live[:4]) + (", ..." if len(live) > 4 else "")
+        raise RematUsageError(
+            f"remat_dist.remove_remat: {len(live)} checkpointed block(s) ({shown}) "
+            "have a forward whose graph is still alive (not backpropagated yet, or "
+            "kept with retain_graph=True). Its backward replays each block as its "
+            "forward ran it, which needs the checkpoint and regions this would "
+            "remove. Fix: run that backward (or drop the loss and outputs) before "
+            "remove_remat(model)."
+        )
     hook = model.__dict__.pop(STEP_HOOK_ATTR, None)
     if hook is not None:
         hook.remove()

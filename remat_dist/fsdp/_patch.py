@@ -18,19 +18,22 @@ Each patched module keeps what it replaced in an instance attribute
 
 from __future__ import annotations
 
+import functools
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from remat_dist.core import recompute_needs_tensor, region
+from remat_dist.core import current_frame, recompute_needs_tensor, region
 
 __all__ = [
     "BLOCK_ATTR",
     "REGION_ATTR",
     "RegionSpec",
+    "blocks_with_live_graphs",
     "call_block",
     "install_block",
     "install_region",
@@ -61,15 +64,44 @@ class RegionSpec:
 
 
 def call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The block's forward as it was before ``apply_remat`` (what a checkpoint runs)."""
-    prev = module.__dict__[BLOCK_ATTR].previous_forward
-    if prev is None:
+    """The block's forward as it was before ``apply_remat`` (what a checkpoint runs).
+
+    A replay may come after ``remove_remat`` (a graph built, remat removed, then
+    backpropagated): :func:`uninstall` has put that forward back on the module."""
+    spec = module.__dict__.get(BLOCK_ATTR)
+    if spec is None:
+        return module.forward(*args, **kwargs)
+    frame = current_frame()
+    if frame is not None and frame.name == spec.name and not frame.replaying:
+        spec.pending.add(frame)
+        _FORWARD_REGIONS[frame] = spec.regions
+    if spec.previous_forward is None:
         return type(module).forward(module, *args, **kwargs)
-    return prev(*args, **kwargs)
+    return spec.previous_forward(*args, **kwargs)
 
 
-def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    spec: RegionSpec = module.__dict__[REGION_ATTR]
+_FORWARD_REGIONS: weakref.WeakKeyDictionary[Any, dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per checkpoint record of a block: the regions its forward ran (its replay runs
+the same, whatever plan is installed by then)."""
+
+
+def blocks_with_live_graphs(modules: Any) -> list[str]:
+    """Names of the checkpointed blocks among ``modules`` that a backward could
+    still replay: a graph through their checkpoint is alive (not yet
+    backpropagated, or kept with ``retain_graph``). Their patches must stay as they
+    are until it is gone, since a replay runs the block as its forward ran it."""
+    return [
+        spec.name
+        for m in modules
+        if (spec := m.__dict__.get(BLOCK_ATTR)) is not None and len(spec.pending)
+    ]
+
+
+def _call_region(spec: RegionSpec, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a region runs; ``spec`` is bound at install, so a replay after
+    ``remove_remat`` still runs the call its forward ran."""
     if spec.previous is not None:
         return spec.previous(*args, **kwargs)
     return getattr(type(module), spec.attr)(module, *args, **kwargs)
@@ -113,8 +145,23 @@ def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     must feed that code real values.
     """
     spec: RegionSpec = self.__dict__[REGION_ATTR]
-    out = spec.run(self, *args, **kwargs)
-    if spec.mode == "save":
+    mode, run = spec.mode, spec.run
+    frame = current_frame()
+    if frame is not None and frame.replaying:
+        # a graph built under an earlier plan (the memory-budget planner installs
+        # its plan while micro-batches of the profiling step wait for backward):
+        # replay the call as that forward ran it
+        bound = _FORWARD_REGIONS.get(frame)
+        if bound is not None and bound.get(spec.name) != mode:
+            mode = bound.get(spec.name)
+            if mode is None:
+                return _call_region(spec, self, *args, **kwargs)
+            run = region(
+                functools.partial(_call_region, spec), spec.name,
+                recompute=(mode == "recompute"),
+            )
+    out = run(self, *args, **kwargs)
+    if mode == "save":
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if tensors:
@@ -141,12 +188,10 @@ def install_region(sub: nn.Module, path: str, mode: str, *, block: str) -> None:
     if _call_impl_overridable() and sub._compiled_call_impl is None:
         attr = "_call_impl"
     rspec = RegionSpec(
-        name=path,
-        mode=mode,
-        block=block,
-        attr=attr,
-        previous=sub.__dict__.get(attr),
-        run=region(_call_region, path, recompute=(mode == "recompute")),
+        name=path, mode=mode, block=block, attr=attr, previous=sub.__dict__.get(attr)
+    )
+    rspec.run = region(
+        functools.partial(_call_region, rspec), path, recompute=(mode == "recompute")
     )
     sub.__dict__[REGION_ATTR] = rspec
     sub.__dict__[attr] = types.MethodType(_region_call, sub)

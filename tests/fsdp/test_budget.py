@@ -292,6 +292,68 @@ def test_micro_batches_of_the_profiling_step_and_later_steps():
     assert grads_equal(first[1], ref[0][1]) and grads_equal(second[1], ref[1][1])
 
 
+def test_interleaved_micro_batches_of_the_profiling_step():
+    """1F1B order in the profiling step (F1 F2 B1 F3 B2 B3): the plan is installed
+    at the end of B1, while micro-batch 2's graph, built under full recompute,
+    waits for B2: its replay runs the blocks as its forward did (no region), F3
+    runs the plan; gradients bitwise those without remat, in this step and the
+    next."""
+    micro = [make_batch(CFG, 2, seed=s) for s in (5, 6, 7)]
+
+    def loss_of(model, batch):
+        tokens, targets = batch
+        return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+    def step(model, seed, plans):
+        torch.manual_seed(seed)
+        l1, l2 = loss_of(model, micro[0]), loss_of(model, micro[1])
+        l1.backward()
+        plans.append(model.__dict__.get(BUDGET_ATTR) and current_plan(model))
+        l3 = loss_of(model, micro[2])
+        l2.backward()
+        l3.backward()
+        plans.append(model.__dict__.get(BUDGET_ATTR) and current_plan(model))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    ref = [step(_model(), s, []) for s in (0, 1)]
+    full = run_steps(_model("full"), micro[0], steps=1)[0][0]
+    none = run_steps(_model(), micro[0], steps=1)[0][0]
+    model = _model(remat.MemoryBudget(bytes=(full + none) // 2))
+    plans: list = []
+    first = step(model, 0, plans)
+    assert plans[0] is not None and plans[1] is plans[0]  # installed after B1
+    assert set(plans[0].decisions().values()) - {"full", "none"}  # regions saved
+    second = step(model, 1, plans)
+    assert grads_equal(first, ref[0]) and grads_equal(second, ref[1])
+
+
+def test_remove_remat_while_a_graph_is_alive_is_refused():
+    """remove_remat between a forward and its backward would make the replay run
+    the block without its regions: refused, naming the blocks and the fix; allowed
+    once the graph is backpropagated or dropped (retain_graph keeps it alive)."""
+    batch = make_batch(CFG, 2, seed=3)
+    for policy in ("full", {"attention": "save"}):
+        model = _model(policy)
+        tokens, targets = batch
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        with pytest.raises(RematUsageError) as ei:
+            remove_remat(model)
+        msg = str(ei.value)
+        assert "'layers.0'" in msg and "Fix: run that backward" in msg
+        assert len(remat_plan(model)) == CFG.n_layers  # nothing was removed
+        loss.backward(retain_graph=True)
+        with pytest.raises(RematUsageError, match="retain_graph"):
+            remove_remat(model)
+        del loss
+        remove_remat(model)  # the graph is gone
+        assert remat_plan(model) == {}
+        apply_remat(model, blocks=Block, policy=policy)
+        model(tokens)  # dropped without backward: nothing to replay
+        remove_remat(model)
+
+
 # -- small models for the edge cases ---------------------------------------------------
 
 
