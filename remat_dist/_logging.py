@@ -1,7 +1,9 @@
 """remat_dist's loggers: ``logging.getLogger("remat_dist")`` and its children.
 
-Quiet by default (a ``NullHandler``; Python's last-resort handler still shows
-warnings and errors). ``REMAT_DIST_LOG=info`` or ``=debug`` in the environment adds
+Quiet by default: no handler is added, so until the application configures
+``logging``, Python's last-resort handler prints warnings and errors to stderr and
+drops the rest (a ``NullHandler`` would drop the warnings too, such as a memory
+budget exceeded). ``REMAT_DIST_LOG=info`` or ``=debug`` in the environment adds
 a stderr handler at that level; configuring the ``remat_dist`` logger with the
 standard ``logging`` API works as for any library. Every message carries this
 process's rank (``[rank 3] ...``) once a process group exists, so the lines of a
@@ -42,7 +44,6 @@ def get_logger(name: str) -> logging.LoggerAdapter:
 
 def _configure() -> None:
     root = logging.getLogger(ROOT)
-    root.addHandler(logging.NullHandler())
     level = os.environ.get(ENV, "").strip().upper()
     if not level:
         return

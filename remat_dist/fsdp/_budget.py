@@ -246,6 +246,7 @@ class _BudgetState:
     install_next: bool = False  # "pending" with no backward to wait for
     error: Exception | None = None  # "failed": raised again by every later forward
     handles: list[Any] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # profiling inputs
 
 
 def attach_budget(
@@ -334,6 +335,7 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
     if state.phase in ("profile", "verify"):
         if state.phase == "profile":
             state.phase = "profiling"
+            state.shapes = _shapes(args)
             state.table = [{} for _ in state.blocks]
             state.calls = [0 for _ in state.blocks]
         state.params = param_keys(model)
@@ -356,12 +358,22 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         assert state.plan is not None
         state.plan.measured_bytes = counter.total
         if counter.total > state.budget.bytes:
+            shapes = _shapes(args)
+            cause = (
+                f"the plan was made from the first grad-enabled forward, whose "
+                f"inputs had shapes {state.shapes}, and this one's are {shapes} "
+                "(a sanity or validation forward with grad enabled on another "
+                "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
+                "on the training batch (remove_remat(model), then apply_remat)."
+                if shapes != state.shapes
+                else "the blocks share storages with the rest of the model, which "
+                "per-block measurement misses. Fix: a smaller budget leaves room."
+            )
             log.warning(
                 "MemoryBudget: this rank saved %s in the first step under the plan, "
-                "over the budget of %s (predicted %s): the blocks share storages "
-                "with the rest of the model, which per-block measurement misses.",
+                "over the budget of %s (predicted %s): %s",
                 human(counter.total), human(state.budget.bytes),
-                human(state.plan.predicted_bytes),
+                human(state.plan.predicted_bytes), cause,
             )
         return
     if state.phase != "profiling":
@@ -397,6 +409,11 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         # no tensor of the output requires grad: a backward, if any, goes through
         # something else (a loss kept on the model); before the next forward
         state.install_next = True
+
+
+def _shapes(args: Any) -> list[tuple[int, ...]]:
+    """The shapes of the tensors in a forward's positional inputs."""
+    return [tuple(t.shape) for t in _tensors_in(args)]
 
 
 def _fail(state: _BudgetState, output: Any, error: Exception) -> None:

@@ -494,7 +494,10 @@ def test_remat_dist_log_env_turns_logging_on():
     import subprocess
     import sys
 
-    code = "import logging, remat_dist; logging.getLogger('remat_dist.x').info('hello')"
+    code = (
+        "import logging, remat_dist; log = logging.getLogger('remat_dist.x'); "
+        "log.info('hello'); log.warning('over budget')"
+    )
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     loud = subprocess.run(
         [sys.executable, "-c", code],
@@ -503,4 +506,5 @@ def test_remat_dist_log_env_turns_logging_on():
         env={**os.environ, "REMAT_DIST_LOG": "info"},
     )
     assert "hello" not in quiet.stderr
+    assert "over budget" in quiet.stderr  # warnings are never swallowed
     assert "remat_dist.x INFO: hello" in loud.stderr, loud.stderr

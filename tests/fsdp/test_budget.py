@@ -329,6 +329,26 @@ def test_interleaved_micro_batches_of_the_profiling_step():
     assert grads_equal(first, ref[0]) and grads_equal(second, ref[1])
 
 
+def test_plan_from_a_smaller_sanity_forward_warns_with_the_cause(caplog):
+    """The first grad-enabled forward is the profiling one: a sanity forward on one
+    sample plans for one sample, and the training batch then saves more than the
+    budget. The warning (shown by default: remat_dist adds no NullHandler) names
+    both batches' shapes and the fix."""
+    tokens, targets = make_batch(CFG, 8, seed=0)
+    model = _model(remat.MemoryBudget(bytes="120KiB"))
+    model(tokens[:1])  # grad enabled, never backpropagated
+    with caplog.at_level(logging.WARNING, logger="remat_dist"):
+        for _ in range(2):
+            with SavedBytesCounter(model.parameters()) as count:
+                logits = model(tokens)
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    assert count.activation_bytes > 120 * 1024
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "[(1, 16)]" in warned[0] and "[(8, 16)]" in warned[0]
+    assert "torch.no_grad()" in warned[0]
+
+
 def test_remove_remat_while_a_graph_is_alive_is_refused():
     """remove_remat between a forward and its backward would make the replay run
     the block without its regions: refused, naming the blocks and the fix; allowed
