@@ -44,9 +44,22 @@ def _entry(
         storage=(local.device, storage._cdata),
         storage_nbytes=storage.nbytes(),
         nbytes=local.numel() * local.element_size(),
-        is_parameter=isinstance(t, torch.nn.Parameter),
+        is_parameter=_of_parameter(t),
         packed_by_user_hook=packed_by_user_hook,
     )
+
+
+def _of_parameter(t: torch.Tensor) -> bool:
+    """``t`` is an ``nn.Parameter`` or a view of one (``linear`` saves ``weight.t()``):
+    its bytes belong to the model, not to the activations."""
+    for _ in range(16):
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        base = t._base
+        if base is None:
+            return False
+        t = base
+    return False
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

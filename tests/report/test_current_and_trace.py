@@ -90,6 +90,29 @@ def test_current_memory_report_counts_each_save_region_and_kept_outputs():
     assert "inputs" not in text
 
 
+def test_current_memory_report_leaves_out_parameters_and_their_views():
+    """``linear`` saves ``weight.t()``, a view of a parameter: the current report
+    lists it as a parameter and counts 0 B for it, as the saved-tensors report does
+    (it used to count the whole weight as resident activation memory)."""
+    lin = torch.nn.Linear(64, 64)
+    seen = []
+
+    def block(x):
+        h = remat.region(lin, "lin", recompute=False)(x.sin())
+        if not remat.is_recomputing():
+            seen.append(remat.format_current_memory_report(inputs=False))
+        remat.recompute_needs_tensor(h)
+        return h.tanh()
+
+    x = torch.randn(4, 64, requires_grad=True)
+    y = remat.checkpoint(region_name="layers.0")(block)(x)
+    text = seen[0]
+    assert text.splitlines()[0] == "layers.0: 0 B resident in 0 storage(s)", text
+    assert "(64, 64)  float32  (parameter, not counted)" in text, text
+    summary = remat.saved_tensors_summary(y.sum())
+    assert summary["parameter_bytes"] == 64 * 64 * 4
+
+
 def test_current_memory_report_outside_and_during_replay():
     assert format_current_memory_report().startswith("no checkpoint is running")
     replay: list[str] = []
