@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from remat_dist.core._state import is_recomputing
 from remat_dist.errors import PlaceholderAccessError
 
 __all__ = ["Placeholder", "is_placeholder", "make_placeholder"]
@@ -72,8 +73,15 @@ class Placeholder(torch.Tensor):
         if func.is_view:
             meta_out = func(*_to_meta(args), **_to_meta(kwargs))
             return tree_map(lambda m: _rewrap(m, first), meta_out)
+        where = (
+            f"the replay of checkpoint {first._checkpoint!r} read"
+            if is_recomputing()
+            else f"backward, after the replay of checkpoint {first._checkpoint!r}, read "
+            "(in the gradient formula of an op of the replay that saved it: for "
+            "example cos saves its input and its backward computes sin of it)"
+        )
         raise PlaceholderAccessError(
-            f"remat_dist: the replay of checkpoint {first._checkpoint!r} read the data "
+            f"remat_dist: {where} the data "
             f"of output {first._index} of save region {first._origin!r} "
             f"(shape {tuple(first.shape)}, {first.dtype}) in op {func}, but that "
             "region is skipped on replay and its output was not persisted. Fix: call "

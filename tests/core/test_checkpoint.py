@@ -141,6 +141,24 @@ def test_placeholder_read_error_names_region_and_fixes():
         out.sum().backward()
 
 
+def test_placeholder_read_in_a_gradient_formula_says_backward():
+    """cos saves its input on the replay (the skipped region's placeholder) and its
+    backward computes sin of it: the error says backward read it there, not the
+    replay, which would point at the region's own op."""
+
+    def f(x):
+        return remat.region(torch.sin, "s", recompute=False)(x).cos()
+
+    out = remat.checkpoint(region_name="L0")(f)(X0.clone().requires_grad_())
+    with _raises(
+        remat.PlaceholderAccessError,
+        "backward, after the replay of checkpoint 'L0', read (in the gradient formula",
+        "region 'L0::s'",
+        "Fix: call remat_dist.recompute_needs_tensor(output)",
+    ):
+        out.sum().backward()
+
+
 def test_region_consumer_persists_automatically():
     def f(x):
         y = remat.region(lambda t: t @ W1, "proj", recompute=False)(x)
