@@ -22,6 +22,9 @@ __all__ = ["install_torch_remat_alias", "uninstall_torch_remat_alias"]
 
 ALIAS = "torch_remat"
 
+_replaced: list[ModuleType] = []
+"""The torch_remat module ``force=True`` replaced (put back on uninstall)."""
+
 
 def install_torch_remat_alias(*, force: bool = False) -> ModuleType:
     """Make ``import torch_remat`` give remat_dist, for this process.
@@ -62,15 +65,20 @@ def install_torch_remat_alias(*, force: bool = False) -> ModuleType:
                 "import remat_dist directly (import remat_dist as remat), or pass "
                 "force=True to replace it in this process on purpose."
             )
+    if current is not None:
+        _replaced[:] = [current]
     sys.modules[ALIAS] = remat_dist
     return remat_dist
 
 
 def uninstall_torch_remat_alias() -> None:
     """Undo :func:`install_torch_remat_alias`: drop ``sys.modules["torch_remat"]``
-    if it is remat_dist (a real torch_remat there is left alone)."""
+    if it is remat_dist, and put back the torch_remat module that
+    ``force=True`` replaced, if any (a real torch_remat there is left alone)."""
     if sys.modules.get(ALIAS) is remat_dist:
         del sys.modules[ALIAS]
+        if _replaced:
+            sys.modules[ALIAS] = _replaced.pop()
 
 
 def _real_torch_remat(current: ModuleType | None) -> str | None:

@@ -34,7 +34,8 @@ torchtitan                           remat_dist
                                      selects by module region, not by aten op.
 ``preserve_rng_state=True``          ``recompute_state_hooks=None`` (the default
                                      per-rank RNG hooks: dropout replays exactly)
-``preserve_rng_state=False``         ``recompute_state_hooks=()``
+``preserve_rng_state=False``         ``recompute_state_hooks=()`` (a warning names
+                                     any ``nn.Dropout`` in the blocks)
 ``determinism_check``                passed through (``"default"`` / ``"none"``)
 ``debug``, ``early_stop``            not applied (a warning names them when set)
 ``none`` / ``None``                  refused: :class:`RematUsageError`
@@ -321,6 +322,23 @@ def apply_ac(
         policy = "full"
     if recompute_state_hooks is _UNSET:
         recompute_state_hooks = None if settings.preserve_rng_state else ()
+        dropout = [
+            f"{n}.{sub_name}" if sub_name else n
+            for n in names
+            for sub_name, sub in model.get_submodule(n).named_modules()
+            if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0
+        ]
+        if not settings.preserve_rng_state and dropout:
+            warnings.warn(
+                f"{where}: preserve_rng_state=False with dropout in the checkpointed "
+                f"blocks ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): "
+                "as with torchtitan's own AC, the replay draws other dropout masks than "
+                "the forward, so the gradients are not those of training without AC "
+                "(remat_dist.checkpoint's own preserve_rng_state=False, torch_remat's "
+                "default, still replays RNG). Fix: preserve_rng_state=True in the AC "
+                "config.",
+                stacklevel=2,
+            )
     mode = collectives or settings.collectives or "replay"
     apply_remat(
         model,

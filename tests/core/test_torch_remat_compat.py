@@ -292,6 +292,8 @@ def test_installed_torch_remat_is_never_shadowed_silently(
 
     assert remat_dist.compat.install_torch_remat_alias(force=True) is remat_dist
     assert sys.modules["torch_remat"] is remat_dist
+    remat_dist.compat.uninstall_torch_remat_alias()  # puts the replaced one back
+    assert sys.modules["torch_remat"] is real
 
 
 # --- keyword and argument names -----------------------------------------------------

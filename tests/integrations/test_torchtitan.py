@@ -138,8 +138,11 @@ def test_knobs_map_onto_apply_remat():
     config = S.JobACConfig(
         mode="full", preserve_rng_state=False, determinism_check="none", debug=True
     )
-    with pytest.warns(UserWarning, match="debug"):
+    with pytest.warns(UserWarning) as caught:
         tt.apply_ac(model, config, collectives="save")
+    texts = [str(w.message) for w in caught]
+    assert any("debug" in t for t in texts), texts
+    assert not any("with dropout" in t for t in texts), texts  # no nn.Dropout here
     spec = remat_plan(model)["layers.0"]
     assert spec.state_hooks == ()
     assert spec.collectives == "save"
@@ -150,6 +153,17 @@ def test_knobs_map_onto_apply_remat():
     assert tt.read_ac_config(policy) == tt.ACSettings(
         mode="selective", selective_ac_option="op", preserve_rng_state=False
     )
+
+
+def test_preserve_rng_state_false_with_dropout_modules_warns():
+    """torchtitan's preserve_rng_state=False drops the RNG hooks (as torchtitan's
+    own AC does): with an nn.Dropout in a checkpointed block the replay draws other
+    masks, and the warning names the module and the fix."""
+    model = S.build()
+    model.layers["1"].drop = torch.nn.Dropout(0.1)
+    with pytest.warns(UserWarning, match=r"with dropout in the checkpointed blocks "
+                      r"\(layers\.1\.drop\).*Fix: preserve_rng_state=True"):
+        tt.apply_ac(model, S.JobACConfig(mode="full", preserve_rng_state=False))
 
 
 def test_remove_ac_restores_the_model(reference):
