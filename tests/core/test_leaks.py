@@ -39,17 +39,22 @@ def _offload_hooks(refs):
     return remat.saved_tensors_hooks(pack, unpack)
 
 
-@pytest.mark.parametrize("make_hooks", [_identity_hooks, _offload_hooks])
-def test_forward_only_steps_free_save_region_saves_without_gc(make_hooks):
+def _checkpointed_block():
+    """A checkpointed block with a save region; exp saves its own output (the case
+    that used to outlive the graph)."""
     w = torch.randn(8, 8, requires_grad=True)
 
     def block(x):
-        # exp saves its own output: the case that used to outlive the graph
         y = remat.region(torch.exp, "exp", recompute=False)(x @ w)
         remat.recompute_needs_tensor(y)
         return y.sin() @ w
 
-    run = remat.checkpoint(region_name="layers.0")(block)
+    return remat.checkpoint(region_name="layers.0")(block)
+
+
+@pytest.mark.parametrize("make_hooks", [_identity_hooks, _offload_hooks])
+def test_forward_only_steps_free_save_region_saves_without_gc(make_hooks):
+    run = _checkpointed_block()
     refs: list[weakref.ref] = []
     hooks = make_hooks(refs)
     gc.disable()  # a cycle must not be hidden by an automatic collection
@@ -77,14 +82,7 @@ def test_backward_frees_checkpoint_inputs_while_the_loss_is_kept(hooks):
     region's saves) is freed by backward itself, as torch's checkpoint does, not
     when the caller drops the loss (a training loop keeps it until the next step:
     a step's activations would overlap the next one's)."""
-    w = torch.randn(8, 8, requires_grad=True)
-
-    def block(x):
-        y = remat.region(torch.exp, "exp", recompute=False)(x @ w)
-        remat.recompute_needs_tensor(y)
-        return y.sin() @ w
-
-    run = remat.checkpoint(region_name="layers.0")(block)
+    run = _checkpointed_block()
     refs: list[weakref.ref] = []
 
     def pack(t):
