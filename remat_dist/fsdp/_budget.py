@@ -28,8 +28,11 @@ The life of a model under a budget (one state object on the model, see
    once). An infeasible budget is raised at the end of the profiling step's
    backward (or at once when no backward will run), naming the smallest feasible
    budget. Either failure is raised again by every later grad-enabled forward.
-4. When the first backward after the profiling forward ends (through its output,
-   or through a later forward's when that output was dropped without one) the
+4. A profiling forward dropped without a backward (its graph gone, no backward
+   started since: a sanity pass) is forgotten, and the next grad-enabled forward
+   profiles again. When the first backward after the profiling forward ends
+   (through its output, or through a later forward's when that output was kept
+   without one) the
    plan is installed (the blocks' checkpoints and save regions are rebuilt as a
    policy dict would build them; blocks planned "none" lose their checkpoint);
    more micro-batches of the profiling step run full recompute until then, and
@@ -51,6 +54,7 @@ import functools
 import hashlib
 import json
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,6 +251,11 @@ class _BudgetState:
     error: Exception | None = None  # "failed": raised again by every later forward
     handles: list[Any] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # profiling inputs
+    # the profiling forward's block records (alive while its graph is) and whether
+    # a backward through a forward since has started: both empty/False means that
+    # forward was dropped without backward, and the next one profiles again
+    profile_graph: weakref.WeakSet[Any] | None = None
+    backward_seen: bool = False
 
 
 def attach_budget(
@@ -328,6 +337,17 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
     if state.phase == "failed":
         assert state.error is not None
         raise type(state.error)(str(state.error))
+    if (
+        state.phase == "pending"
+        and not state.install_next  # else no backward could be seen through the output
+        and not state.backward_seen
+        and not state.profile_graph
+    ):
+        log.info(
+            "MemoryBudget: the profiling forward was dropped without a backward (a "
+            "sanity forward with grad enabled?); this forward profiles again"
+        )
+        state.phase, state.plan, state.install_next = "profile", None, False
     if state.phase == "pending" and state.install_next:
         _install_plan(state)  # the profiling forward's output had no grad to wait for
     # "pending": no backward through the profiling step has ended yet (more
@@ -348,8 +368,10 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
     if state.phase == "pending" and torch.is_grad_enabled():
         # the plan waits for a backward to end; this forward's backward may be the
-        # first (the profiling forward's output was dropped without one)
-        _at_end_of_backward(output, functools.partial(_install_plan, state))
+        # first (the profiling forward's output was kept without one)
+        _at_end_of_backward(
+            output, functools.partial(_install_plan, state), _backward_seen(state)
+        )
     if counter is None:
         return
     counter.__exit__(None, None, None)
@@ -405,10 +427,23 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         _fail(state, output, e)
         return
     state.phase = "pending"
-    if not _at_end_of_backward(output, functools.partial(_install_plan, state)):
+    state.backward_seen = False
+    state.profile_graph = weakref.WeakSet(
+        r for _, m in state.blocks for r in m.__dict__[BLOCK_ATTR].pending
+    )
+    if not _at_end_of_backward(
+        output, functools.partial(_install_plan, state), _backward_seen(state)
+    ):
         # no tensor of the output requires grad: a backward, if any, goes through
         # something else (a loss kept on the model); before the next forward
         state.install_next = True
+
+
+def _backward_seen(state: _BudgetState) -> Callable[[], None]:
+    def seen() -> None:
+        state.backward_seen = True
+
+    return seen
 
 
 def _shapes(args: Any) -> list[tuple[int, ...]]:
@@ -445,7 +480,9 @@ def _tensors_in(output: Any, depth: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
+def _at_end_of_backward(
+    output: Any, fn: Callable[[], None], on_start: Callable[[], None] | None = None
+) -> bool:
     """Run ``fn`` when the first backward through ``output`` ends, after everything
     else that backward queued (the step's end-of-backward report); False when no
     output tensor requires grad (no backward will run through it). ``output`` is
@@ -459,6 +496,8 @@ def _at_end_of_backward(output: Any, fn: Callable[[], None]) -> bool:
     def at_start(grad: torch.Tensor) -> None:
         if not fired:
             fired.append(True)
+            if on_start is not None:
+                on_start()
             # queued from a callback: runs after the callbacks queued during the
             # backward (the step's report), at the very end of the step
             queue(lambda: queue(fn))

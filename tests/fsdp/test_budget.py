@@ -329,14 +329,31 @@ def test_interleaved_micro_batches_of_the_profiling_step():
     assert grads_equal(first, ref[0]) and grads_equal(second, ref[1])
 
 
+def test_dropped_sanity_forward_is_profiled_again():
+    """A grad-enabled sanity forward on one sample, dropped without backward: the
+    next forward (the training batch) profiles again, so the plan fits the batch
+    that trains; gradients bitwise those without remat."""
+    batch = make_batch(CFG, 8, seed=0)
+    ref = run_steps(_model(), batch, steps=2)
+    full = run_steps(_model("full"), batch, steps=1)[0][0]
+    budget = (full + ref[0][0]) // 2
+    model = _model(remat.MemoryBudget(bytes=budget))
+    model(batch[0][:1])  # dropped at once
+    got = run_steps(model, batch, steps=2)
+    plan = current_plan(model)
+    assert got[0][0] == full and got[1][0] <= budget  # profiled on the batch of 8
+    assert plan.measured_bytes == got[1][0]
+    assert all(grads_equal(g, r) for (_, g), (_, r) in zip(got, ref))
+
+
 def test_plan_from_a_smaller_sanity_forward_warns_with_the_cause(caplog):
     """The first grad-enabled forward is the profiling one: a sanity forward on one
-    sample plans for one sample, and the training batch then saves more than the
-    budget. The warning (shown by default: remat_dist adds no NullHandler) names
-    both batches' shapes and the fix."""
+    sample whose output is kept plans for one sample, and the training batch then
+    saves more than the budget. The warning (shown by default: remat_dist adds no
+    NullHandler) names both batches' shapes and the fix."""
     tokens, targets = make_batch(CFG, 8, seed=0)
     model = _model(remat.MemoryBudget(bytes="120KiB"))
-    model(tokens[:1])  # grad enabled, never backpropagated
+    kept = model(tokens[:1])  # grad enabled, never backpropagated, still referenced
     with caplog.at_level(logging.WARNING, logger="remat_dist"):
         for _ in range(2):
             with SavedBytesCounter(model.parameters()) as count:
@@ -347,6 +364,7 @@ def test_plan_from_a_smaller_sanity_forward_warns_with_the_cause(caplog):
     assert len(warned) == 1, warned
     assert "[(1, 16)]" in warned[0] and "[(8, 16)]" in warned[0]
     assert "torch.no_grad()" in warned[0]
+    del kept
 
 
 def test_remove_remat_while_a_graph_is_alive_is_refused():
