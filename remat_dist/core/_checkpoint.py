@@ -255,6 +255,11 @@ def _run_checkpoint(
                 determinism_check=options.determinism_check,
                 context_fn=lambda: (forward_phase, replay_phase),
             )
+        except BaseException:
+            # the anchor's saved tensor reaches torch's frame, which holds body and
+            # so this list: a cycle through autograd's C++ that gc cannot collect
+            anchors.clear()
+            raise
         finally:
             inputs_of_var.reset(token)
             if pushed is not None:

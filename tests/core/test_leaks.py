@@ -109,3 +109,24 @@ def test_backward_frees_checkpoint_inputs_while_the_loss_is_kept(hooks):
             # loss kept, as a loop does until its next step
     finally:
         gc.enable()
+
+
+def test_a_checkpoint_that_raises_under_user_hooks_frees_its_inputs():
+    """A body that raises under user hooks: nothing of the failed checkpoint stays
+    alive (its replay anchor used to form a cycle through autograd's C++ that gc
+    cannot collect, keeping the inputs and the record)."""
+
+    def body(t):
+        t.sin()
+        raise ValueError("boom")
+
+    run = remat.checkpoint(region_name="layers.0")(body)
+    hooks = remat.saved_tensors_hooks(lambda t: t, lambda t: t)
+    x = torch.randn(64, 64, requires_grad=True)
+    inp = x * 2
+    ref = weakref.ref(inp)
+    with hooks, pytest.raises(ValueError, match="boom"):
+        run(inp)
+    del inp
+    gc.collect()
+    assert ref() is None and remat.core.live_records() == []
