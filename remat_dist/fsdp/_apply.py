@@ -105,6 +105,9 @@ class BlockRemat:
     )
     """The block's checkpoint records whose autograd graph is still alive: a
     backward through them would replay the block as its forward ran it."""
+    replays: int = field(default=0, repr=False, compare=False)
+    """How many replays of this block's checkpoint have run (a backward went
+    through it, whatever tensor it started from)."""
 
 
 

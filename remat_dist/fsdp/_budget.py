@@ -256,6 +256,7 @@ class _BudgetState:
     # forward was dropped without backward, and the next one profiles again
     profile_graph: weakref.WeakSet[Any] | None = None
     backward_seen: bool = False
+    replays_at_profile: int = 0  # the blocks' replay count when it was planned
 
 
 def attach_budget(
@@ -339,15 +340,20 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
         raise type(state.error)(str(state.error))
     if (
         state.phase == "pending"
-        and not state.install_next  # else no backward could be seen through the output
+        and not state.install_next
         and not state.backward_seen
         and not state.profile_graph
     ):
-        log.info(
-            "MemoryBudget: the profiling forward was dropped without a backward (a "
-            "sanity forward with grad enabled?); this forward profiles again"
-        )
-        state.phase, state.plan, state.install_next = "profile", None, False
+        if _replays(state) > state.replays_at_profile:
+            # a backward replayed the blocks without going through the output (a
+            # loss taken from an intermediate): it has ended, install now
+            _install_plan(state)
+        else:
+            log.info(
+                "MemoryBudget: the profiling forward was dropped without a backward "
+                "(a sanity forward with grad enabled?); this forward profiles again"
+            )
+            state.phase, state.plan = "profile", None
     if state.phase == "pending" and state.install_next:
         _install_plan(state)  # the profiling forward's output had no grad to wait for
     # "pending": no backward through the profiling step has ended yet (more
@@ -428,6 +434,7 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         return
     state.phase = "pending"
     state.backward_seen = False
+    state.replays_at_profile = _replays(state)
     state.profile_graph = weakref.WeakSet(
         r for _, m in state.blocks for r in m.__dict__[BLOCK_ATTR].pending
     )
@@ -437,6 +444,11 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         # no tensor of the output requires grad: a backward, if any, goes through
         # something else (a loss kept on the model); before the next forward
         state.install_next = True
+
+
+def _replays(state: _BudgetState) -> int:
+    """Replays run so far by the blocks' checkpoints."""
+    return sum(m.__dict__[BLOCK_ATTR].replays for _, m in state.blocks if BLOCK_ATTR in m.__dict__)
 
 
 def _backward_seen(state: _BudgetState) -> Callable[[], None]:

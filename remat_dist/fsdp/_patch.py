@@ -72,9 +72,12 @@ def call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if spec is None:
         return module.forward(*args, **kwargs)
     frame = current_frame()
-    if frame is not None and frame.name == spec.name and not frame.replaying:
-        spec.pending.add(frame)
-        _FORWARD_REGIONS[frame] = spec.regions
+    if frame is not None and frame.name == spec.name:
+        if frame.replaying:
+            spec.replays += 1
+        else:
+            spec.pending.add(frame)
+            _FORWARD_REGIONS[frame] = spec.regions
     if spec.previous_forward is None:
         return type(module).forward(module, *args, **kwargs)
     return spec.previous_forward(*args, **kwargs)

@@ -346,6 +346,40 @@ def test_dropped_sanity_forward_is_profiled_again():
     assert all(grads_equal(g, r) for (_, g), (_, r) in zip(got, ref))
 
 
+def test_loss_from_an_intermediate_installs_the_plan_once(monkeypatch):
+    """The loss comes from a block's output caught by a forward hook; the model's
+    returned logits require grad and are dropped. No backward goes through the
+    output, but the blocks' replays show one ran: the plan is installed at the next
+    forward (not re-profiled every step); gradients bitwise those without remat."""
+    from remat_dist.fsdp import _budget_profile
+
+    calls = []
+    profile = _budget_profile.profile_block
+    monkeypatch.setattr("remat_dist.fsdp._budget.profile_block",
+                        lambda *a, **k: calls.append(1) or profile(*a, **k))
+    tokens, _ = make_batch(CFG, 2, seed=0)
+
+    def steps(model):
+        feat, out = {}, []
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        blocks[-1].register_forward_hook(lambda m, i, o: feat.__setitem__("h", o))
+        for step in range(3):
+            torch.manual_seed(step)
+            model(tokens)  # logits dropped
+            feat.pop("h").square().mean().backward()
+            out.append({n: p.grad.clone() for n, p in model.named_parameters()
+                        if p.grad is not None})  # the head gets none here
+            model.zero_grad(set_to_none=True)
+        return out
+
+    ref = steps(_model())
+    model = _model(remat.MemoryBudget(bytes="10MiB"))
+    got = steps(model)
+    assert len(calls) == CFG.n_layers  # profiled once
+    assert current_plan(model) is not None
+    assert all(grads_equal(g, r) for g, r in zip(got, ref))
+
+
 def test_plan_from_a_smaller_sanity_forward_warns_with_the_cause(caplog):
     """The first grad-enabled forward is the profiling one: a sanity forward on one
     sample whose output is kept plans for one sample, and the training batch then
