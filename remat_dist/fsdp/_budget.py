@@ -49,23 +49,26 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from remat_dist._logging import get_logger
 from remat_dist.distributed import all_gather_objects, dist_ready
 from remat_dist.errors import PlanMismatchError, RematUsageError
+from remat_dist.fsdp._budget_backward import (
+    at_end_of_backward,
+    input_shapes,
+)
+from remat_dist.fsdp._budget_config import BlockPlan, BudgetPlan, MemoryBudget
 from remat_dist.fsdp._budget_profile import (
     DEFAULT_REGION_NAMES,
     Candidate,
@@ -95,140 +98,6 @@ log = get_logger(__name__)
 
 BUDGET_ATTR = "_remat_dist_budget"
 """Instance attribute of a model under a :class:`MemoryBudget`: its planner state."""
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """A policy for :func:`apply_remat`: keep at most ``bytes`` of activations saved
-    for backward per rank, and recompute as little as possible.
-
-    The planner measures every candidate of every block on every rank in the first
-    training step, then chooses the plan of least recompute time that fits the
-    budget on the rank that needs most, the same plan on every rank (see
-    ``docs/memory_budget.md``)::
-
-        apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
-
-    Raises :class:`RematUsageError` for a byte count it cannot read, a negative
-    one or one that is not a whole number of bytes, and for regions that are not
-    distinct non-empty strings; ``apply_remat`` raises for regions a block does not
-    have (naming the block and its submodules).
-    """
-
-    bytes: int | str
-    """The budget per rank: activation bytes saved for backward during the model's
-    forward call, as ``remat_dist.testing.SavedBytesCounter`` counts them around
-    ``model(batch)`` (unique storages, parameters excluded; a loss computed outside
-    the model is not included). An int, or a string with a suffix (``"1.5GiB"``,
-    ``"512MiB"``, ``"2GB"``); stored as an int."""
-    regions: Sequence[str] | None = None
-    """Submodule paths (relative to each block) that may be kept as save regions:
-    every non-empty subset is a candidate, besides full recompute and no checkpoint
-    (at most 4). None: the block's direct children named in
-    ``DEFAULT_REGION_NAMES`` (``attention``, ``attn``, ``self_attn``, ``mlp``,
-    ``feed_forward``, ``ffn``). ``()``: only full recompute or nothing."""
-    repeats: int = 3
-    """Timed forwards per block in the profiling step; the minimum is kept (the
-    least noisy estimate on a busy machine)."""
-
-    def __post_init__(self) -> None:
-        try:
-            value = parse_bytes(self.bytes)
-        except ValueError as e:
-            raise RematUsageError(f"remat_dist.MemoryBudget(bytes=...): {e}") from None
-        if value < 0:
-            raise RematUsageError(
-                f"remat_dist.MemoryBudget(bytes={self.bytes!r}): the budget must not be "
-                "negative."
-            )
-        object.__setattr__(self, "bytes", value)
-        if self.regions is not None:
-            regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
-            for path in regions:
-                if not isinstance(path, str) or not path:
-                    raise RematUsageError(
-                        f"remat_dist.MemoryBudget(regions={self.regions!r}): every region "
-                        f"is a non-empty submodule path relative to the block, got "
-                        f"{path!r}. Fix: e.g. regions=('attention', 'mlp'), or regions=() "
-                        "for full recompute or nothing."
-                    )
-            twice = sorted({p for p in regions if regions.count(p) > 1})
-            if twice:
-                raise RematUsageError(
-                    f"remat_dist.MemoryBudget(regions={self.regions!r}): "
-                    f"{', '.join(map(repr, twice))} listed more than once. Fix: list each "
-                    "submodule once."
-                )
-            object.__setattr__(self, "regions", regions)
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise RematUsageError(
-                f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
-            )
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """The planner's decision for one block (see :func:`current_plan`).
-
-    Attributes:
-        name: the block's qualified name.
-        decision: ``"full"``, ``"none"`` (no checkpoint) or ``"save a+b"`` (the
-            checkpoint keeps submodules ``a`` and ``b`` as save regions).
-        regions: the policy dict it stands for (``{}`` for full, None for none).
-        bytes: saved bytes of this decision, maximum over ranks.
-        time_s: recompute time of this decision in backward, maximum over ranks.
-        candidates: ``{decision: (bytes, time_s)}`` of every candidate measured.
-    """
-
-    name: str
-    decision: str
-    regions: dict[str, str] | None
-    bytes: int
-    time_s: float
-    candidates: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
-
-
-@dataclass
-class BudgetPlan:
-    """What the planner chose for a model, and from which numbers.
-
-    Attributes:
-        budget: the budget in bytes.
-        blocks: per block, in model order.
-        outside_bytes: bytes saved outside the blocks (embeddings, final norm, head),
-            maximum over ranks.
-        predicted_bytes: ``outside_bytes`` plus the blocks' bytes: what the rank
-            that needs most should save.
-        predicted_time_s: the blocks' recompute times summed (the objective).
-        world_size: ranks the measurements came from (1 without a process group).
-        measured_bytes: this rank's saved bytes in the first step under the plan
-            (None until that step's forward ran).
-    """
-
-    budget: int
-    blocks: list[BlockPlan]
-    outside_bytes: int
-    predicted_bytes: int
-    predicted_time_s: float
-    world_size: int = 1
-    measured_bytes: int | None = None
-
-    def decisions(self) -> dict[str, str]:
-        """``{block name: decision}``."""
-        return {b.name: b.decision for b in self.blocks}
-
-    def format(self) -> str:
-        """A few lines for logs: budget, totals, one line per block."""
-        head = (
-            f"budget {human(self.budget)}: predicted {human(self.predicted_bytes)} "
-            f"saved per rank (outside blocks {human(self.outside_bytes)}), recompute "
-            f"{self.predicted_time_s * 1e3:.2f} ms per step, over {self.world_size} rank(s)"
-        )
-        rows = [
-            f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
-            for b in self.blocks
-        ]
-        return "\n".join([head, *rows])
-
 
 # -- the state on the model -------------------------------------------------------
 
@@ -361,7 +230,7 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
     if state.phase in ("profile", "verify"):
         if state.phase == "profile":
             state.phase = "profiling"
-            state.shapes = _shapes(args)
+            state.shapes = input_shapes(args)
             state.table = [{} for _ in state.blocks]
             state.calls = [0 for _ in state.blocks]
         state.params = param_keys(model)
@@ -375,7 +244,7 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     if state.phase == "pending" and torch.is_grad_enabled():
         # the plan waits for a backward to end; this forward's backward may be the
         # first (the profiling forward's output was kept without one)
-        _at_end_of_backward(
+        at_end_of_backward(
             output, functools.partial(_install_plan, state), _backward_seen(state)
         )
     if counter is None:
@@ -386,7 +255,7 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
         assert state.plan is not None
         state.plan.measured_bytes = counter.total
         if counter.total > state.budget.bytes:
-            shapes = _shapes(args)
+            shapes = input_shapes(args)
             cause = (
                 f"the plan was made from the first grad-enabled forward, whose "
                 f"inputs had shapes {state.shapes}, and this one's are {shapes} "
@@ -438,7 +307,7 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     state.profile_graph = weakref.WeakSet(
         r for _, m in state.blocks for r in m.__dict__[BLOCK_ATTR].pending
     )
-    if not _at_end_of_backward(
+    if not at_end_of_backward(
         output, functools.partial(_install_plan, state), _backward_seen(state)
     ):
         # no tensor of the output requires grad: a backward, if any, goes through
@@ -458,11 +327,6 @@ def _backward_seen(state: _BudgetState) -> Callable[[], None]:
     return seen
 
 
-def _shapes(args: Any) -> list[tuple[int, ...]]:
-    """The shapes of the tensors in a forward's positional inputs."""
-    return [tuple(t.shape) for t in _tensors_in(args)]
-
-
 def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
     """The planner cannot go on: raise ``error`` at the end of the profiling step's
     backward (its gradients are complete), or now when no backward will come; every
@@ -473,50 +337,8 @@ def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
     def fail() -> None:
         raise type(error)(str(error))
 
-    if not _at_end_of_backward(output, fail):
+    if not at_end_of_backward(output, fail):
         fail()
-
-
-def _tensors_in(output: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors of a pytree, and of dataclasses and mappings that torch's pytree
-    does not know (an unregistered ``ModelOutput``-like class)."""
-    out = []
-    for leaf in tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif depth < 8 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            fields = [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
-            out.extend(_tensors_in(fields, depth + 1))
-        elif depth < 8 and isinstance(leaf, Mapping):
-            out.extend(_tensors_in(list(leaf.values()), depth + 1))
-    return out
-
-
-def _at_end_of_backward(
-    output: Any, fn: Callable[[], None], on_start: Callable[[], None] | None = None
-) -> bool:
-    """Run ``fn`` when the first backward through ``output`` ends, after everything
-    else that backward queued (the step's end-of-backward report); False when no
-    output tensor requires grad (no backward will run through it). ``output`` is
-    any pytree: a tensor, a tuple, a dict, a dataclass such as a ``ModelOutput``."""
-    tensors = [t for t in _tensors_in(output) if t.requires_grad]
-    if not tensors:
-        return False
-    queue = torch.autograd.Variable._execution_engine.queue_callback
-    fired = []
-
-    def at_start(grad: torch.Tensor) -> None:
-        if not fired:
-            fired.append(True)
-            if on_start is not None:
-                on_start()
-            # queued from a callback: runs after the callbacks queued during the
-            # backward (the step's report), at the very end of the step
-            queue(lambda: queue(fn))
-
-    for t in tensors:  # whichever output the backward goes through
-        t.register_hook(at_start)
-    return True
 
 
 # -- profiling --------------------------------------------------------------------

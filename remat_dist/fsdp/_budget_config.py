@@ -1,0 +1,147 @@
+"""The memory-budget planner's public data: the :class:`MemoryBudget` policy a user
+passes to ``apply_remat`` and the :class:`BudgetPlan` it chooses (see
+``remat_dist.fsdp._budget`` for how, and ``docs/memory_budget.md``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from remat_dist.errors import RematUsageError
+from remat_dist.fsdp._budget_profile import human, parse_bytes
+
+__all__ = ["BlockPlan", "BudgetPlan", "MemoryBudget"]
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A policy for :func:`apply_remat`: keep at most ``bytes`` of activations saved
+    for backward per rank, and recompute as little as possible.
+
+    The planner measures every candidate of every block on every rank in the first
+    training step, then chooses the plan of least recompute time that fits the
+    budget on the rank that needs most, the same plan on every rank (see
+    ``docs/memory_budget.md``)::
+
+        apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
+
+    Raises :class:`RematUsageError` for a byte count it cannot read, a negative
+    one or one that is not a whole number of bytes, and for regions that are not
+    distinct non-empty strings; ``apply_remat`` raises for regions a block does not
+    have (naming the block and its submodules).
+    """
+
+    bytes: int | str
+    """The budget per rank: activation bytes saved for backward during the model's
+    forward call, as ``remat_dist.testing.SavedBytesCounter`` counts them around
+    ``model(batch)`` (unique storages, parameters excluded; a loss computed outside
+    the model is not included). An int, or a string with a suffix (``"1.5GiB"``,
+    ``"512MiB"``, ``"2GB"``); stored as an int."""
+    regions: Sequence[str] | None = None
+    """Submodule paths (relative to each block) that may be kept as save regions:
+    every non-empty subset is a candidate, besides full recompute and no checkpoint
+    (at most 4). None: the block's direct children named in
+    ``DEFAULT_REGION_NAMES`` (``attention``, ``attn``, ``self_attn``, ``mlp``,
+    ``feed_forward``, ``ffn``). ``()``: only full recompute or nothing."""
+    repeats: int = 3
+    """Timed forwards per block in the profiling step; the minimum is kept (the
+    least noisy estimate on a busy machine)."""
+
+    def __post_init__(self) -> None:
+        try:
+            value = parse_bytes(self.bytes)
+        except ValueError as e:
+            raise RematUsageError(f"remat_dist.MemoryBudget(bytes=...): {e}") from None
+        if value < 0:
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(bytes={self.bytes!r}): the budget must not be "
+                "negative."
+            )
+        object.__setattr__(self, "bytes", value)
+        if self.regions is not None:
+            regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
+            for path in regions:
+                if not isinstance(path, str) or not path:
+                    raise RematUsageError(
+                        f"remat_dist.MemoryBudget(regions={self.regions!r}): every region "
+                        f"is a non-empty submodule path relative to the block, got "
+                        f"{path!r}. Fix: e.g. regions=('attention', 'mlp'), or regions=() "
+                        "for full recompute or nothing."
+                    )
+            twice = sorted({p for p in regions if regions.count(p) > 1})
+            if twice:
+                raise RematUsageError(
+                    f"remat_dist.MemoryBudget(regions={self.regions!r}): "
+                    f"{', '.join(map(repr, twice))} listed more than once. Fix: list each "
+                    "submodule once."
+                )
+            object.__setattr__(self, "regions", regions)
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
+            )
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The planner's decision for one block (see :func:`current_plan`).
+
+    Attributes:
+        name: the block's qualified name.
+        decision: ``"full"``, ``"none"`` (no checkpoint) or ``"save a+b"`` (the
+            checkpoint keeps submodules ``a`` and ``b`` as save regions).
+        regions: the policy dict it stands for (``{}`` for full, None for none).
+        bytes: saved bytes of this decision, maximum over ranks.
+        time_s: recompute time of this decision in backward, maximum over ranks.
+        candidates: ``{decision: (bytes, time_s)}`` of every candidate measured.
+    """
+
+    name: str
+    decision: str
+    regions: dict[str, str] | None
+    bytes: int
+    time_s: float
+    candidates: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class BudgetPlan:
+    """What the planner chose for a model, and from which numbers.
+
+    Attributes:
+        budget: the budget in bytes.
+        blocks: per block, in model order.
+        outside_bytes: bytes saved outside the blocks (embeddings, final norm, head),
+            maximum over ranks.
+        predicted_bytes: ``outside_bytes`` plus the blocks' bytes: what the rank
+            that needs most should save.
+        predicted_time_s: the blocks' recompute times summed (the objective).
+        world_size: ranks the measurements came from (1 without a process group).
+        measured_bytes: this rank's saved bytes in the first step under the plan
+            (None until that step's forward ran).
+    """
+
+    budget: int
+    blocks: list[BlockPlan]
+    outside_bytes: int
+    predicted_bytes: int
+    predicted_time_s: float
+    world_size: int = 1
+    measured_bytes: int | None = None
+
+    def decisions(self) -> dict[str, str]:
+        """``{block name: decision}``."""
+        return {b.name: b.decision for b in self.blocks}
+
+    def format(self) -> str:
+        """A few lines for logs: budget, totals, one line per block."""
+        head = (
+            f"budget {human(self.budget)}: predicted {human(self.predicted_bytes)} "
+            f"saved per rank (outside blocks {human(self.outside_bytes)}), recompute "
+            f"{self.predicted_time_s * 1e3:.2f} ms per step, over {self.world_size} rank(s)"
+        )
+        rows = [
+            f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
+            for b in self.blocks
+        ]
+        return "\n".join([head, *rows])
