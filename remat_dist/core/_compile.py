@@ -52,7 +52,7 @@ Two ways the checkpoint runs without a traced graph, where no annotation can hel
   replay generator states), so the run-time contexts of :func:`_sac_contexts`
   restore them.
 
-In both, a save region's in-place ops are recomputed (:func:`_mutated_at_runtime`).
+In both, a save region's in-place ops are recomputed (``_compile_runtime.mutated_at_runtime``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat_dist.core import _record
+from remat_dist.core._compile_runtime import (
+    RuntimeContext,
+    RuntimeStates,
+    mutated_at_runtime,
+)
 from remat_dist.core._state import fallback_replay_var, frame_var, name_prefix_var
 from remat_dist.errors import RematUsageError
 
@@ -190,39 +195,13 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
                     'silently be recomputed. Fix: compile with backend="aot_eager" '
                     'or "inductor".'
                 )
-        if mode == "save" and _mutated_at_runtime(op):
+        if mode == "save" and mutated_at_runtime(op):
             return CheckpointPolicy.MUST_RECOMPUTE
     if mode == "save":
         return CheckpointPolicy.MUST_SAVE
     if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) and _has_opaque_inputs():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _mutated_at_runtime(op: Any) -> bool:
-    """Whether a save-region op, run eagerly under torch's selective checkpoint,
-    must be recomputed rather than kept: an in-place op, or a fresh buffer that an
-    in-place op fills next (dropout's ``empty_like(x).bernoulli_(p)``).
-
-    Eager selective checkpoint refuses a kept tensor mutated after it was kept
-    (``Tensor cached during selective activation checkpoint has been mutated``).
-    Recomputing these is cheap, and exact: the ops after them in the region are
-    kept, and torch's checkpoint restores the RNG before its replay. (Traced, the
-    graph is functional and every op is kept.)
-    """
-    schema = getattr(op, "_schema", None)
-    return op in _FRESH_BUFFERS or (schema is not None and schema.is_mutable)
-
-
-_FRESH_BUFFERS = frozenset(
-    (
-        torch.ops.aten.empty_like.default,
-        torch.ops.aten.empty.memory_format,
-        torch.ops.aten.empty_strided.default,
-        torch.ops.aten.new_empty.default,
-        torch.ops.aten.new_empty_strided.default,
-    )
-)
 
 
 def _tracing() -> bool:
@@ -278,59 +257,8 @@ def _sac_contexts() -> tuple[Any, Any]:
     forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
-    states = _RuntimeStates(_record.default_state_hooks_for_checkpoint())
-    return _RuntimeContext(forward, states, False), _RuntimeContext(recompute, states, True)
-
-
-class _RuntimeStates:
-    """The state hooks of one checkpoint run for real, and their forward states."""
-
-    def __init__(self, hooks: tuple[Any, ...]) -> None:
-        self.hooks = hooks
-        self.entry: list[Any] = []
-
-    def snapshot(self) -> list[Any]:
-        return [h.snapshot() for h in self.hooks]
-
-    def restore(self, states: list[Any]) -> None:
-        for h, state in zip(self.hooks, states):
-            h.restore(state)
-
-
-class _RuntimeContext:
-    """torch's selective-checkpoint context at run time, plus the state hooks and,
-    on the recompute, ``fallback_replay_var`` (see :func:`_sac_contexts`)."""
-
-    def __init__(self, inner: Any, states: _RuntimeStates, replay: bool) -> None:
-        self.inner = inner
-        self.states = states
-        self.replay = replay
-        self._outside: list[tuple[list[Any], Any]] = []
-
-    def __enter__(self) -> Any:
-        if not self.replay:
-            self.states.entry = self.states.snapshot()
-            return self.inner.__enter__()
-        outside = self.states.snapshot()
-        self.states.restore(self.states.entry)
-        self._outside.append((outside, fallback_replay_var.set(True)))
-        try:
-            return self.inner.__enter__()
-        except BaseException:
-            self._leave()
-            raise
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self.inner.__exit__(*exc)
-        finally:
-            if self.replay:
-                self._leave()
-
-    def _leave(self) -> None:
-        outside, token = self._outside.pop()
-        fallback_replay_var.reset(token)
-        self.states.restore(outside)
+    states = RuntimeStates(_record.default_state_hooks_for_checkpoint())
+    return RuntimeContext(forward, states, False), RuntimeContext(recompute, states, True)
 
 
 # -- checkpoint -------------------------------------------------------------------
