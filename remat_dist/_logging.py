@@ -9,8 +9,8 @@ standard ``logging`` API works as for any library. Every message carries this
 process's rank (``[rank 3] ...``) once a process group exists, so the lines of a
 torchrun job can be told apart.
 
-At info: one line per step's plan agreement or plan check (with its cost), every
-timeout and divergence. At debug: each replay's collectives and each store round.
+At info: one line per agreement among the ranks at stake (with its cost), every
+timeout and divergence. At debug: each replay's collectives.
 """
 
 from __future__ import annotations

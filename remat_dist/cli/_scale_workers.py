@@ -4,17 +4,17 @@ threads they run in, and the TCPStore server they talk to.
 ``remat_dist.cli.bench_scale`` says what is simulated and why, runs the
 configurations and turns their :class:`RankResult` s into rows; this module is the
 part that runs in (or starts) other processes and threads. One simulated rank
-(:func:`simulate_rank`) runs the real ``StoreRound`` code on its own ``TCPStore``
-client; a worker process (:func:`_worker`) holds many ranks, one thread each;
-:class:`Workers` starts those processes (``forkserver``, which preloads this
+(:func:`simulate_rank`) runs the real code of one design: the side channel of its
+stake (``SideChannel``: direct links among the group's ranks, set up through its
+own ``TCPStore`` client) or the previous design's world-wide store rounds
+(``StoreRound``). A worker process (:func:`_worker`) holds many ranks, one thread
+each; :class:`Workers` starts those processes (``forkserver``, which preloads this
 module) and hands them one :class:`Job` per configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import multiprocessing
 import os
 import sys
@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from remat_dist.distributed._step import _plans_differ
+from remat_dist.distributed._channel import SideChannel
+from remat_dist.distributed._plan import PlanDigest, plans_differ
 from remat_dist.distributed._store_round import StoreRound
 
 __all__ = [
+    "CHANNEL",
     "HOST",
-    "PER_CHECKPOINT",
-    "STEP",
+    "WORLD_STORE",
     "Job",
     "RankResult",
     "Workers",
@@ -43,10 +44,12 @@ __all__ = [
 
 HOST = "127.0.0.1"
 RESOLVER_NOISE = "hostname of the client socket cannot be retrieved"
-STEP = "step"
-"""Design name: one exchange and one report per step (what the library does)."""
-PER_CHECKPOINT = "per-checkpoint"
-"""Design name: two exchange rounds per checkpoint per step (the design replaced)."""
+CHANNEL = "side channel"
+"""Design name: per step, one agreement and one report among each stake's ranks on
+their side channel (what the library does)."""
+WORLD_STORE = "world store"
+"""Design name: per step, one exchange and one report among all ranks through the
+one store server (the design it replaced)."""
 
 
 # -- one simulated rank
@@ -58,7 +61,8 @@ class Job:
 
     prefix: str
     ranks: int
-    checkpoints: int
+    group: int
+    """Ranks per stake (the TP degree); the world for ``WORLD_STORE``."""
     design: str
     steps: int
     timeout: float
@@ -68,113 +72,103 @@ class Job:
 
 @dataclass
 class RankResult:
-    """One simulated rank's measurements of one configuration."""
+    """One simulated rank's measurements of one configuration, per measured step."""
 
     rank: int
     enter: list[float] = field(default_factory=list)
+    agreed: list[float] = field(default_factory=list)
+    """When the step's agreement round ended (the report follows)."""
     leave: list[float] = field(default_factory=list)
+    messages: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
-    hash_s: list[float] = field(default_factory=list)
+    setup_requests: int = 0
     error: str | None = None
 
 
-class PlanHash:
-    """The plan digest of one step as ``StepAgreement.add_checkpoint`` and
-    ``StepAgreement._value`` compute it, without a process group."""
-
-    def __init__(self) -> None:
-        self.plan = hashlib.sha256()
-        self.groups: dict[str, Any] = {}
-        self.count = 0
-
-    def add(self, entry: list[Any], group_fps: dict[str, str]) -> None:
-        self.plan.update(json.dumps(entry, separators=(",", ":")).encode())
-        for key, fp in group_fps.items():
-            h = self.groups.setdefault(key, hashlib.sha256())
-            h.update(f"{self.count}:{fp}\n".encode())
-        self.count += 1
-
-    def value(self) -> str:
-        groups = {k: h.hexdigest()[:16] for k, h in sorted(self.groups.items())}
-        plan = f"{self.plan.hexdigest()[:16]}:{self.count}"
-        return json.dumps({"p": plan, "g": groups}, separators=(",", ":"))
+def _plan(rank: int, group: int) -> PlanDigest:
+    """A step's plan: 8 blocks, each at stake on the rank's TP group."""
+    plan = PlanDigest()
+    for i in range(8):
+        regions = [["attention", "recompute", "replay"], ["mlp", "recompute", "replay"]]
+        plan.add([f"layers.{i}", "replay", regions], {f"tp{rank // group}/{group}": f"{i:016x}:2"})
+    return plan
 
 
-def _plan_entry(i: int) -> list[Any]:
-    regions = [["attention", "recompute", "replay"], ["mlp", "recompute", "replay"]]
-    return [f"layers.{i}", "replay", regions]
+class _Channel:
+    """The library's rounds for one step on a side channel: the agreement (the
+    plan's two words, tagged) and the report (no failure)."""
+
+    def __init__(self, store: Any, job: Job, rank: int) -> None:
+        first = rank - rank % job.group
+        ranks = tuple(range(first, first + job.group))
+        self.words = _plan(rank, job.group).words()
+        self.ch = SideChannel(ranks, rank, store, f"{job.prefix}/g{first}", job.timeout)
+        self.timeout = job.timeout
+
+    def step(self, agreed: list[float]) -> None:
+        w = self.words
+        got = self.ch.reduce_max([1, -1, *w, *(-x for x in w)], self.timeout)
+        agreed.append(time.monotonic())
+        if got[2:4] != w:
+            raise RuntimeError("the agreement found different plans")
+        if self.ch.reduce_max([2, -2, 0], self.timeout)[2]:
+            raise RuntimeError("the report found a failure")
+
+    def counts(self) -> tuple[int, int]:
+        return self.ch.messages, self.ch.store_requests
+
+    def close(self) -> None:
+        self.ch.close()
 
 
-def _group_fps(i: int, rank: int, ranks: int) -> dict[str, str]:
-    """A tensor-parallel group of 8 (or all ranks) and the world, as a model
-    sharded both ways records them; equal among each group's ranks."""
-    tp = 8 if ranks % 8 == 0 else ranks
-    fp = hashlib.sha256(f"collectives of checkpoint {i}".encode()).hexdigest()[:16]
-    return {f"tp{rank // tp}/{tp}": f"{fp}:2", f"world/{ranks}": f"{fp}:1"}
+class _WorldStore:
+    """The previous design's rounds for one step: one exchange among all ranks
+    through the store, then one report."""
 
+    def __init__(self, store: Any, job: Job, rank: int) -> None:
+        import torch.distributed as dist
 
-def _step_values(job: Job, rank: int) -> tuple[list[str], float]:
-    """One step's values to post (per-step design: one; per-checkpoint design: one
-    per checkpoint, each posted twice) and the thread time spent hashing them."""
-    t0 = time.thread_time()
-    plan = PlanHash()
-    values = []
-    for i in range(job.checkpoints):
-        entry = _plan_entry(i)
-        plan.add(entry, _group_fps(i, rank, job.ranks))
-        values.append(f"{plan.plan.hexdigest()[:16]}:{i}")
-    if job.design == STEP:
-        values = [plan.value()]
-    return values, time.thread_time() - t0
+        self.rnd = StoreRound(dist.PrefixStore(job.prefix, store), tuple(range(job.ranks)), rank)
+        self.value = _plan(rank, job.group).value()
+        self.timeout = job.timeout
 
+    def step(self, agreed: list[float]) -> None:
+        if self.rnd.exchange(self.value, timeout=self.timeout, judge=plans_differ) is not None:
+            raise RuntimeError("the exchange found different plans")
+        agreed.append(time.monotonic())
+        if self.rnd.report(None, timeout=self.timeout) is not None:
+            raise RuntimeError("the report found a failure")
 
-def _agreed(verdict: dict[int, str] | None, what: str) -> None:
-    if verdict is not None:
-        ranks = sorted(verdict)[:8]
-        raise RuntimeError(f"{what}: the ranks' values differed: {ranks}")
+    def counts(self) -> tuple[int, int]:
+        return 0, self.rnd.requests
 
-
-def _run_step(rnd: StoreRound, job: Job, values: list[str]) -> None:
-    if job.design == STEP:
-        verdict = rnd.exchange(values[0], timeout=job.timeout, judge=_plans_differ)
-        _agreed(verdict, "exchange")
-        _agreed(rnd.report(None, timeout=job.timeout), "report")
-        return
-    for value in values:
-        for _ in range(2):
-            _agreed(rnd.exchange(value, timeout=job.timeout), "per-checkpoint round")
-
-
-def _warm_up(rnd: StoreRound, job: Job) -> None:
-    """One round pair, so that the measured rounds delete keys as a long run does."""
-    if job.design == STEP:
-        values, _ = _step_values(job, rnd.rank)
-        _run_step(rnd, job, values)
-    else:
-        _run_step(rnd, job, ["warm-up"])
+    def close(self) -> None:
+        pass
 
 
 def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
     """Run ``job`` as rank ``rank`` on ``store`` (this rank's own client)."""
-    import torch.distributed as dist
-
     out = RankResult(rank)
+    sim: Any = None
     try:
-        prefixed = dist.PrefixStore(job.prefix, store)
-        rnd = StoreRound(prefixed, tuple(range(job.ranks)), rank)
-        steps = [_step_values(job, rank) for _ in range(job.steps)]
-        _warm_up(rnd, job)
-        for values, hash_s in steps:
+        sim = (_Channel if job.design == CHANNEL else _WorldStore)(store, job, rank)
+        sim.step([])  # warm-up: set-up done, keys in their steady state
+        out.setup_requests = sim.counts()[1]
+        for _ in range(job.steps):
             if time.monotonic() > job.stop_at:
                 raise TimeoutError("the configuration's time limit was reached")
-            before, t0 = rnd.requests, time.monotonic()
-            _run_step(rnd, job, values)
+            (m0, r0), t0 = sim.counts(), time.monotonic()
+            sim.step(out.agreed)
             out.leave.append(time.monotonic())
             out.enter.append(t0)
-            out.requests.append(rnd.requests - before)
-            out.hash_s.append(hash_s)
+            m1, r1 = sim.counts()
+            out.messages.append(m1 - m0)
+            out.requests.append(r1 - r0)
     except Exception as e:  # reported per rank, never raised in a thread
         out.error = f"{type(e).__name__}: {e}"
+    finally:
+        if sim is not None:
+            sim.close()
     return out
 
 

@@ -408,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from remat_dist.cli.bench_budget import main as budget_main
 
         return budget_main([a for a in argv if a != "--budget"])
+    if "--exits" in argv:
+        from remat_dist.cli.bench_exit import main as exit_main
+
+        return exit_main([a for a in argv if a != "--exits"])
     parser = argparse.ArgumentParser(
         prog="python -m remat_dist bench", description=__doc__.split("\n")[0]
     )
@@ -429,11 +433,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write results to this path")
     parser.add_argument(
         "--scale", action="store_true",
-        help="run the store-round scale simulation instead (bench --scale --help)",
+        help="run the agreement's scale simulation instead (bench --scale --help)",
     )
     parser.add_argument(
         "--budget", action="store_true",
         help="run the MemoryBudget sweep on gloo ranks instead (bench --budget --help)",
+    )
+    parser.add_argument(
+        "--exits", action="store_true",
+        help="count unclean exits of an ordinary 2-rank script instead (bench --exits --help)",
     )
     args = parser.parse_args(argv)
     cfg = BenchConfig(

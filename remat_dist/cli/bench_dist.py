@@ -10,8 +10,11 @@ variant: collectives issued in forward and in backward by kind, the replayed one
 median step time and its ratio to no checkpointing. "saved" counts what backward
 will need per rank: what the saved-tensors hooks see (checkpoint inputs, torch's
 checkpoint's included) plus the collective outputs ``"save"`` keeps for comm-free
-replay, shown again in their own column ("of which kept coll."). Then the ledger's own costs:
-per collective (record, verify), and the agreement round per replay.
+replay, shown again in their own column ("of which kept coll."). Per variant also:
+the agreement rounds, side-channel messages and store requests per rank and step
+(``remat_dist.distributed.step_stats``): zero where nothing is at stake. Then the
+ledger's own costs: per collective (record, verify), and one step's rounds (the
+agreement and the report) on a 2-rank side channel.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs on every rank; returns this rank's measurements."""
     import torch.distributed as dist
 
+    from remat_dist.distributed import step_stats
     from remat_dist.distributed._collectives import (
         RecordCollectives,
         observe_collectives,
@@ -73,17 +77,22 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
     dp_rank = dist.get_rank() if layout == "fsdp" else 0
     out: dict[str, Any] = {}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    rounds: dict[str, Counter[str]] = {v: Counter() for v in VARIANTS}
     for it in range(cfg["warmup"] + cfg["iters"]):
         for v in VARIANTS[it % len(VARIANTS):] + VARIANTS[: it % len(VARIANTS)]:
             model, config = models[v]
             tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
             dist.barrier()
+            before = step_stats()
             t0 = time.perf_counter()
             model.loss(tokens, targets).backward()
             elapsed = time.perf_counter() - t0
+            after = step_stats()
             model.zero_grad(set_to_none=True)
             if it >= cfg["warmup"]:
                 times[v].append(elapsed)
+                for k in ("agreements", "reports", "messages", "store_requests"):
+                    rounds[v][k] += getattr(after, k) - getattr(before, k)
     for v in VARIANTS:
         model, config = models[v]
         tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
@@ -104,6 +113,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "saved_bytes": saved,
             "kept_collective_bytes": kept,
             "time_s": statistics.median(times[v]),
+            "per_step": {k: n / cfg["iters"] for k, n in rounds[v].items()},
         }
     out["ledger_cost_us"] = _ledger_costs(cfg["iters"] * 20)
     return out
@@ -114,6 +124,7 @@ def _ledger_costs(n: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from remat_dist.distributed._channel import SideChannel
     from remat_dist.distributed._collectives import (
         CollectiveLedger,
         RecordCollectives,
@@ -151,14 +162,17 @@ def _ledger_costs(n: int) -> dict[str, float]:
 
     verified = timed(verify)
     logic = _logic_costs(t)
-    rnd = current_step().round
+    step = current_step()
+    ranks = tuple(range(dist.get_world_size()))
+    channel = SideChannel(ranks, dist.get_rank(), step.store, "remat_dist/bench/ch", 60.0)
     rounds = []
-    req0 = rnd.requests
-    for _ in range(20):  # one step's store rounds: the plan exchange and the report
+    req0, msg0 = channel.store_requests, channel.messages
+    for _ in range(200):  # one step's rounds: the plan agreement and the report
         t0 = time.perf_counter()
-        rnd.exchange('{"p":"bench"}', timeout=60.0)
-        rnd.report(None, timeout=60.0)
+        channel.reduce_max([1, -1, 3, 4, -3, -4], 60.0)
+        channel.reduce_max([2, -2, 0], 60.0)
         rounds.append(time.perf_counter() - t0)
+    channel.close()
     return {
         "all_reduce_bare": bare,
         "record_extra": record - bare,
@@ -166,7 +180,8 @@ def _ledger_costs(n: int) -> dict[str, float]:
         "record_logic": logic["record"],
         "verify_logic": logic["verify"],
         "step_rounds": statistics.median(rounds) * 1e6,
-        "store_requests_per_step": (rnd.requests - req0) / 20,
+        "store_requests_per_step": (channel.store_requests - req0) / 200,
+        "messages_per_step": (channel.messages - msg0) / 200,
     }
 
 
@@ -259,17 +274,23 @@ def run_distributed_bench(world_size: int = 2, **cfg: Any) -> dict[str, Any]:
     )
 
 
+def _per(row: dict[str, Any], key: str) -> float:
+    return float(row.get("per_step", {}).get(key, 0.0))
+
+
 def format_dist_table(result: dict[str, Any]) -> str:
     lines = []
     head = (
         f"{'layout':<6} {'variant':<24} {'fwd coll':>8} {'bwd coll':>8} {'replayed':>8} "
         f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'of which kept coll.':>19} "
-        f"{'time ms':>8} {'x none':>6}"
+        f"{'time ms':>8} {'x none':>6} {'x torch':>7} {'rounds/step':>11} "
+        f"{'msgs/step':>9} {'store req/step':>14}"
     )
     lines += [head, "-" * len(head)]
     for layout, res in result["layouts"].items():
         base_bwd = sum(res["none"]["backward"].values())
         base_t = res["none"]["time_s"]
+        torch_t = res["torch.utils.checkpoint"]["time_s"]
         for v in VARIANTS:
             r = res[v]
             bwd = sum(r["backward"].values())
@@ -281,15 +302,20 @@ def format_dist_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{layout:<6} {v:<24} {sum(r['forward'].values()):>8} {bwd:>8} "
                 f"{bwd - base_bwd:>8} {gathers:>15} {saved:>16} {kept:>19} "
-                f"{r['time_s'] * 1e3:>8.1f} {r['time_s'] / base_t:>6.3f}"
+                f"{r['time_s'] * 1e3:>8.1f} {r['time_s'] / base_t:>6.3f} "
+                f"{r['time_s'] / torch_t:>7.3f} "
+                f"{_per(r, 'agreements') + _per(r, 'reports'):>11.1f} "
+                f"{_per(r, 'messages'):>9.1f} {_per(r, 'store_requests'):>14.1f}"
             )
     costs = result["layouts"]["tp"]["ledger_cost_us"]
     lines.append(
         f"\nledger cost (rank 0, 1-float all_reduce {costs['all_reduce_bare']:.0f} us bare): "
         f"record +{costs['record_extra']:.0f} us, verify +{costs['verify_extra']:.0f} us per "
         f"collective (of which remat_dist's logic: record {costs['record_logic']:.1f} us, "
-        f"verify {costs['verify_logic']:.1f} us); step agreement + report {costs['step_rounds']:.0f} us and "
-        f"{costs['store_requests_per_step']:.1f} store requests per rank per step "
+        f"verify {costs['verify_logic']:.1f} us); one step's agreement + report on a "
+        f"2-rank side channel {costs['step_rounds']:.0f} us, "
+        f"{costs['messages_per_step']:.0f} messages and "
+        f"{costs['store_requests_per_step']:.0f} store requests per rank "
         "(any number of checkpoints)"
     )
     kinds = result["layouts"]["tp"]["remat replay"]["backward"]

@@ -1,45 +1,39 @@
-"""``python -m remat_dist bench --scale``: the step agreement's store traffic at scale,
-simulated on one machine.
+"""``python -m remat_dist bench --scale``: what the per-step agreement costs at scale,
+simulated on one machine, against the world-wide store rounds it replaced.
 
-What is simulated. Every training step, each rank hashes the plan of every checkpoint
-it ran in forward (what ``StepAgreement.add_checkpoint`` does), then takes part in
-two store rounds (``remat_dist.distributed._store_round.StoreRound``): one
-``exchange`` of the step's short plan value (built as ``StepAgreement._value``
-builds it, judged by the real ``_plans_differ``) and, at backward's end, one
-``report(None)``. For comparison, the previous design ran two rounds per checkpoint
-per step (simulated as two ``exchange`` rounds of a short value per checkpoint).
+What is simulated. Each step, every rank at stake runs what the library runs: one
+agreement (``SideChannel.reduce_max`` of its tagged plan digest, built as
+``PlanDigest.words`` builds it) and one report, among the ranks of its stake (a
+tensor-parallel group of ``group`` ranks), over the real ``SideChannel`` code and
+real loopback TCP links. The previous design is simulated with its real code too:
+one ``StoreRound`` exchange and one report among all ranks, through one
+``TCPStore`` server.
 
-How. One real ``torch.distributed.TCPStore`` server listens on 127.0.0.1 in the
-benchmark process. Simulated ranks are its clients: each rank has its own
-``TCPStore`` client connection (made once, when the worker starts), wrapped in a
-``PrefixStore`` with a fresh prefix per configuration, and runs the real
-``StoreRound`` code in its own thread. The threads live in a few worker processes
-(``forkserver``), so that 1,024 ranks fit on a small machine: a thread blocked in a
-store call is inside C++ and has released the GIL. Each configuration runs one
-warm-up round pair (so the rounds' key deletions are in their steady state), then
-the measured steps; the plan hashing is done before them, outside the timing (real
-ranks hash in parallel on their own CPUs; here they would queue for one GIL).
+How. One ``TCPStore`` server listens in the benchmark process (the channels use it
+for their set-up only). Simulated ranks are threads spread over a few worker
+processes (``forkserver``), rank ``r`` in worker ``r % workers``, so that the ranks
+of one stake sit in different processes, each with its own store client. A
+configuration runs one warm-up step (set-up included), then the measured steps.
 
-Figures per configuration (medians/means over the measured steps):
+Figures per configuration (medians over the measured steps):
 
-* ``wall_ms_per_step``: from the first rank entering the step's first round to the
-  last rank leaving its last round (clocks are ``time.monotonic``, system-wide);
-* ``requests_per_rank_mean`` / ``_max``: store requests per rank per step as
-  ``StoreRound.requests`` counts them (one per store call; the TCPStore client
-  itself sends an extra ``wait`` before every ``get``/``multi_get``);
-* ``server_requests_per_step``: their sum over ranks; ``server_requests_per_s``:
-  that divided by the wall time;
-* ``server_cpu_share`` (extra): CPU time of the benchmark process, which does
-  nothing but serve the store, over the configuration's wall time (warm-up and
-  thread start included): near 1.0 (one core) the server is the bottleneck;
-* ``estimated``: the row was not run (it would exceed the time budget) but scaled
-  linearly in the number of rounds from a measured row (``basis`` says which).
+* ``agreement_ms``: per stake and step, from the last member entering the
+  agreement to the last leaving it (its latency once everyone is there), median
+  over stakes and steps; ``critical_ms``: the same over the step's two rounds (the
+  agreement and the report);
+* ``messages_per_rank`` (mean, max): side-channel messages a rank sends per step;
+* ``server_requests_per_step``: store requests per step at the server (the busiest
+  process of the previous design), ``setup_requests``: once per channel;
+* ``modelled`` rows are not run: 16,384 ranks as PP=16 x DP=128 x TP=8 take the
+  measured row of the same stake size (stakes share nothing: no server, no link,
+  so their latency does not depend on how many there are), a TP-free FSDP2 job has
+  no stake at all, and the previous design at 16,384 ranks scales its measured
+  per-rank requests and the server's measured request rate.
 
-What it does not capture: the network latency between hosts (every request here is
-a loopback round trip of some tens of microseconds, not a datacenter one), a real
-TCPStore server on its own host (here it shares the machine's few cores with every
-client thread, so wall times at many ranks mostly measure the clients' Python on
-these cores, not the server), and the ranks' own training work around the rounds.
+What it does not capture: a datacenter network (every hop here is a loopback round
+trip of some tens of microseconds), ranks on their own CPUs (here a few cores run
+hundreds of simulated ranks, so latencies at many ranks mostly measure the
+simulation's own contention), and the training work around the rounds.
 """
 
 from __future__ import annotations
@@ -57,9 +51,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from remat_dist.cli._scale_workers import (
+    CHANNEL,
     HOST,
-    PER_CHECKPOINT,
-    STEP,
+    WORLD_STORE,
     Job,
     RankResult,
     Workers,
@@ -70,176 +64,127 @@ from remat_dist.cli._scale_workers import (
 __all__ = ["ScaleConfig", "format_scale_table", "main", "run_scale"]
 
 ROW_KEYS = (
-    "ranks",
-    "checkpoints",
+    "layout",
     "design",
-    "wall_ms_per_step",
-    "requests_per_rank_mean",
-    "requests_per_rank_max",
+    "ranks",
+    "group",
+    "stakes",
+    "agreement_ms",
+    "critical_ms",
+    "messages_per_rank",
+    "messages_per_rank_max",
     "server_requests_per_step",
-    "estimated",
+    "setup_requests",
+    "modelled",
 )
-"""The documented keys of every JSON row (rows carry a few more)."""
+"""The documented keys of every JSON row."""
 
 
 @dataclass
 class ScaleConfig:
     """What the scale simulation runs, and its time bounds."""
 
-    ranks: tuple[int, ...] = (8, 64, 256, 1024)
-    """Simulated ranks per configuration."""
-    checkpoints: tuple[int, ...] = (8, 64)
-    """Checkpoints per step."""
-    steps: int = 5
-    """Measured steps of the per-step design (after one warm-up round pair)."""
-    old_steps: int = 1
-    """Measured steps of the per-checkpoint design, where affordable."""
+    channel_ranks: tuple[int, ...] = (2, 8, 64, 256)
+    """Simulated ranks of the side-channel configurations (stakes of ``group``)."""
+    group: int = 8
+    """Ranks per stake (the TP degree); smaller configurations use all their ranks."""
+    store_ranks: tuple[int, ...] = (8, 64, 256, 1024)
+    """Simulated ranks of the previous design's configurations."""
+    steps: int = 20
+    """Measured steps per configuration."""
     workers: int = 4
     """Worker processes the simulated ranks are spread over (threads in each)."""
-    timeout: float = 30.0
-    """Bound (seconds) of every store round and store connection."""
-    old_budget_s: float = 25.0
-    """Largest predicted time for one per-checkpoint configuration; beyond it the
-    row is estimated."""
-    budget_s: float = 210.0
-    """Per-checkpoint runs stop (rows estimated) once the whole run would exceed it."""
-    job_limit_s: float = 90.0
-    """Ranks stop between rounds once a configuration has run this long."""
+    timeout: float = 60.0
+    """Bound (seconds) of every round, connection and store wait."""
+    job_limit_s: float = 120.0
+    """Ranks stop between steps once a configuration has run this long."""
 
     @classmethod
     def quick(cls) -> ScaleConfig:
-        return cls(steps=2, old_budget_s=3.0, budget_s=25.0, job_limit_s=20.0)
+        return cls(channel_ranks=(2, 8), store_ranks=(8,), steps=3, job_limit_s=30.0)
 
 
-# -- configurations, rows, estimates
-
-
-def _row(job: Job, results: list[RankResult]) -> dict[str, Any]:
-    """The documented figures of one measured configuration."""
+def _stats(job: Job, results: list[RankResult]) -> dict[str, Any]:
     errors = [r.error for r in results if r.error]
-    done = min(len(r.requests) for r in results)
+    done = min(len(r.leave) for r in results)
     row: dict[str, Any] = {
-        "ranks": job.ranks,
-        "checkpoints": job.checkpoints,
+        "layout": f"TP={job.group} stakes" if job.design == CHANNEL else "world",
         "design": job.design,
-        "estimated": False,
+        "ranks": job.ranks,
+        "group": job.group,
+        "stakes": job.ranks // job.group,
+        "modelled": False,
         "steps": done,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
     if not done:
-        return {**row, **dict.fromkeys(ROW_KEYS[3:7]), "server_requests_per_s": None}
-    walls = [
-        max(r.leave[s] for r in results) - min(r.enter[s] for r in results)
-        for s in range(done)
-    ]
-    per_rank = [r.requests[s] for r in results for s in range(done)]
-    server = statistics.mean(sum(r.requests[s] for r in results) for s in range(done))
-    wall = statistics.median(walls)
-    spans = [r.leave[s] - r.enter[s] for r in results for s in range(done)]
+        return {**row, **dict.fromkeys(ROW_KEYS[5:11])}
+    crit, agree = [], []
+    for first in range(0, job.ranks, job.group):
+        members = results[first : first + job.group]
+        for s in range(done):
+            last_in = max(r.enter[s] for r in members)
+            crit.append(max(r.leave[s] for r in members) - last_in)
+            agree.append(max(r.agreed[s] for r in members) - last_in)
+    msgs = [r.messages[s] for r in results for s in range(done)]
     return {
         **row,
-        "wall_ms_per_step": wall * 1e3,
-        "requests_per_rank_mean": statistics.mean(per_rank),
-        "requests_per_rank_max": max(per_rank),
-        "server_requests_per_step": server,
-        "server_requests_per_s": server / wall if wall > 0 else None,
-        "rank_ms_per_step_median": statistics.median(spans) * 1e3,
-        "hash_us_per_rank_step": statistics.median(
-            h for r in results for h in r.hash_s[:done]
-        ) * 1e6,
+        "agreement_ms": statistics.median(agree) * 1e3,
+        "critical_ms": statistics.median(crit) * 1e3,
+        "messages_per_rank": statistics.mean(msgs),
+        "messages_per_rank_max": max(msgs),
+        "server_requests_per_step": statistics.mean(
+            sum(r.requests[s] for r in results) for s in range(done)
+        ),
+        "setup_requests": sum(r.setup_requests for r in results),
+        "wall_ms": statistics.median(
+            max(r.leave[s] for r in results) - min(r.enter[s] for r in results)
+            for s in range(done)
+        ) * 1e3,
     }
 
 
-def _estimate(
-    basis: dict[str, Any], checkpoints: int, factor: float
-) -> dict[str, Any]:
-    """A per-checkpoint row not run: ``basis`` scaled by ``factor`` (its ratio of
-    rounds per step); the server's request rate is taken as the basis's."""
-    row = {
-        **basis,
-        "checkpoints": checkpoints,
-        "design": PER_CHECKPOINT,
-        "estimated": True,
-        "steps": 0,
-        "basis": f"{basis['design']} C={basis['checkpoints']} x{factor:g}",
-    }
-    for key in ("wall_ms_per_step", "requests_per_rank_mean", "requests_per_rank_max",
-                "server_requests_per_step", "rank_ms_per_step_median"):
-        if basis.get(key) is not None:
-            row[key] = basis[key] * factor
-    row.pop("hash_us_per_rank_step", None)
-    row["server_cpu_share"] = None
-    return row
-
-
-def _rounds_per_step(design: str, checkpoints: int) -> int:
-    return 2 if design == STEP else 2 * checkpoints
-
-
-def _per_round_s(row: dict[str, Any]) -> float:
-    rounds = _rounds_per_step(row["design"], row["checkpoints"])
-    return (row["wall_ms_per_step"] or 0.0) / 1e3 / rounds
-
-
-class _Runner:
-    """Runs configurations on the workers within the time budget."""
-
-    def __init__(
-        self, cfg: ScaleConfig, workers: Workers, progress: Callable[[str], None]
-    ) -> None:
-        self.cfg = cfg
-        self.workers = workers
-        self.progress = progress
-        self.start = time.monotonic()
-        self.run_id = uuid.uuid4().hex[:8]
-
-    def measure(
-        self, ranks: int, checkpoints: int, design: str, steps: int
-    ) -> dict[str, Any]:
-        job = Job(
-            prefix=f"bench_scale/{self.run_id}/{ranks}/{checkpoints}/{design}",
-            ranks=ranks,
-            checkpoints=checkpoints,
-            design=design,
-            steps=steps,
-            timeout=self.cfg.timeout,
-            stop_at=time.monotonic() + self.cfg.job_limit_s,
-        )
-        t0, cpu0 = time.monotonic(), time.process_time()
-        row = _row(job, self.workers.run(job))
-        took = time.monotonic() - t0
-        row["server_cpu_share"] = (time.process_time() - cpu0) / took
-        self.progress(
-            f"  N={ranks:<5} C={checkpoints:<3} {design:<15} {took:6.1f} s  "
-            f"server CPU {row['server_cpu_share']:4.0%}  errors={row['errors']}"
-        )
-        return row
-
-    def per_checkpoint(
-        self, ranks: int, checkpoints: int, basis: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Measured where the prediction from ``basis`` fits the budgets, else
-        estimated from it."""
-        cfg = self.cfg
-        rounds = _rounds_per_step(PER_CHECKPOINT, checkpoints)
-        predicted = _per_round_s(basis) * (2 + rounds * cfg.old_steps)  # + warm-up
-        elapsed = time.monotonic() - self.start
-        if predicted <= cfg.old_budget_s and elapsed + predicted <= cfg.budget_s:
-            return self.measure(ranks, checkpoints, PER_CHECKPOINT, cfg.old_steps)
-        factor = rounds / _rounds_per_step(basis["design"], basis["checkpoints"])
-        return _estimate(basis, checkpoints, factor)
-
-    def ranks_rows(self, ranks: int) -> list[dict[str, Any]]:
-        cps = sorted(self.cfg.checkpoints)
-        rows = [self.measure(ranks, c, STEP, self.cfg.steps) for c in cps]
-        basis = rows[0]
-        for c in cps:
-            row = self.per_checkpoint(ranks, c, basis)
-            if not row["estimated"] and row["steps"]:
-                basis = row
-            rows.append(row)
-        return rows
+def _models(rows: list[dict[str, Any]], group: int) -> list[dict[str, Any]]:
+    """The rows at full scale that are not run (see the module docstring)."""
+    out = []
+    same = [r for r in rows if r["design"] == CHANNEL and r["group"] == group and r["steps"]]
+    if same:
+        basis = min(same, key=lambda r: r["ranks"])  # the least contended measurement
+        out.append({
+            **{k: basis[k] for k in ROW_KEYS if k in basis},
+            "layout": f"PP=16 x DP=128 x TP={group}",
+            "ranks": 16384,
+            "stakes": 16384 // group,
+            "setup_requests": basis["setup_requests"] / basis["ranks"] * 16384,
+            "modelled": True,
+            "basis": f"{CHANNEL} {basis['ranks']} ranks",
+        })
+    out.append({
+        "layout": "FSDP2 only (no TP)", "design": CHANNEL, "ranks": 1024, "group": 0,
+        "stakes": 0, "agreement_ms": 0.0, "critical_ms": 0.0, "messages_per_rank": 0.0,
+        "messages_per_rank_max": 0, "server_requests_per_step": 0.0,
+        "setup_requests": 0, "modelled": True,
+        "basis": "no stake: no round (tests/distributed: zero rounds on real FSDP2 ranks)",
+    })
+    store = [r for r in rows if r["design"] == WORLD_STORE and r["steps"]]
+    if store:
+        basis = max(store, key=lambda r: r["ranks"])
+        per_rank = basis["server_requests_per_step"] / basis["ranks"]
+        rate = basis["server_requests_per_step"] / (basis["wall_ms"] / 1e3)
+        requests = per_rank * 16384
+        out.append({
+            "layout": "world", "design": WORLD_STORE, "ranks": 16384, "group": 16384,
+            "stakes": 1, "agreement_ms": requests / rate * 1e3 * 5 / 8,
+            "critical_ms": requests / rate * 1e3,
+            "messages_per_rank": 0.0, "messages_per_rank_max": 0,
+            "server_requests_per_step": requests, "setup_requests": 0,
+            "modelled": True,
+            "basis": f"{WORLD_STORE} {basis['ranks']} ranks: {per_rank:.1f} requests per "
+                     f"rank, server at {rate:,.0f} requests/s; the agreement is the "
+                     "exchange, 5 of a rank's 8 requests",
+        })
+    return out
 
 
 def machine() -> dict[str, Any]:
@@ -259,15 +204,28 @@ def run_scale(
     import torch
 
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    most = max(cfg.ranks)
-    raise_fd_limit(most)
+    most = max((*cfg.channel_ranks, *cfg.store_ranks))
+    raise_fd_limit(most * 4)
     server = start_server(cfg.timeout)
-    progress(f"scale simulation: TCPStore on {HOST}:{server.port}, "
-             f"{most} simulated ranks over {min(cfg.workers, most)} worker processes")
+    progress(f"scale simulation: TCPStore on {HOST}:{server.port}, up to {most} "
+             f"simulated ranks over {min(cfg.workers, most)} worker processes")
     workers = Workers(cfg.workers, most, server.port, cfg.timeout)
+    run_id = uuid.uuid4().hex[:8]
+    rows = []
     try:
-        runner = _Runner(cfg, workers, progress)
-        rows = [row for n in sorted(cfg.ranks) for row in runner.ranks_rows(n)]
+        jobs = [(n, min(cfg.group, n), CHANNEL) for n in cfg.channel_ranks]
+        jobs += [(n, n, WORLD_STORE) for n in cfg.store_ranks]
+        for n, group, design in jobs:
+            job = Job(
+                prefix=f"bench_scale/{run_id}/{design.replace(' ', '_')}/{n}",
+                ranks=n, group=group, design=design, steps=cfg.steps,
+                timeout=cfg.timeout, stop_at=time.monotonic() + cfg.job_limit_s,
+            )
+            t0 = time.monotonic()
+            row = _stats(job, workers.run(job))
+            progress(f"  {design:<12} N={n:<5} group={group:<5} {time.monotonic() - t0:6.1f} s"
+                     f"  errors={row['errors']}")
+            rows.append(row)
     finally:
         workers.close()
         del server
@@ -276,23 +234,18 @@ def run_scale(
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "config": asdict(cfg),
-        "wall": "first rank entering the step's first round to last rank leaving "
-                "its last round; median over measured steps",
-        "rows": rows,
+        "rows": rows + _models(rows, cfg.group),
     }
-
-
-# -- output
 
 
 _COLUMNS = (
     # header, row key, width, format
-    ("wall ms/step", "wall_ms_per_step", 12, ".1f"),
-    ("req/rank mean", "requests_per_rank_mean", 13, ".2f"),
-    ("max", "requests_per_rank_max", 5, ".0f"),
-    ("server req/step", "server_requests_per_step", 15, ".0f"),
-    ("server req/s", "server_requests_per_s", 12, ".0f"),
-    ("srv CPU", "server_cpu_share", 7, ".0%"),
+    ("agreement ms", "agreement_ms", 12, ".2f"),
+    ("critical ms/step", "critical_ms", 16, ".2f"),
+    ("msgs/rank", "messages_per_rank", 9, ".1f"),
+    ("max", "messages_per_rank_max", 4, ".0f"),
+    ("store req/step", "server_requests_per_step", 14, ",.0f"),
+    ("set-up req", "setup_requests", 10, ",.0f"),
 )
 
 
@@ -301,25 +254,24 @@ def _cell(x: float | None, width: int, fmt: str) -> str:
 
 
 def format_scale_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table; estimated rows are marked ``~`` after the design."""
-    head = f"{'ranks':>5} {'ckpts':>5}  {'design':<16}" + "".join(
+    """A fixed-width table; modelled rows are marked ``~``."""
+    head = f"{'layout':<24} {'design':<13} {'ranks':>6} {'stakes':>6}" + "".join(
         f" {name:>{width}}" for name, _, width, _ in _COLUMNS
     )
     lines = [head, "-" * len(head)]
     for r in rows:
-        design = r["design"] + (" ~" if r["estimated"] else "")
-        cells = "".join(
-            f" {_cell(r.get(key), width, fmt)}" for _, key, width, fmt in _COLUMNS
+        design = r["design"] + (" ~" if r["modelled"] else "")
+        cells = "".join(f" {_cell(r.get(key), width, fmt)}" for _, key, width, fmt in _COLUMNS)
+        errors = f"  ERRORS {r['errors']}: {r['first_error']}" if r.get("errors") else ""
+        lines.append(
+            f"{r['layout']:<24} {design:<13} {r['ranks']:>6} {r['stakes']:>6}" + cells + errors
         )
-        errors = f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else ""
-        first = f"{r['ranks']:>5} {r['checkpoints']:>5}  {design:<16}"
-        lines.append(first + cells + errors)
     lines += [
-        "wall: first rank entering the step's first round to last rank leaving its "
-        "last (median over steps)",
-        "srv CPU: the server process's CPU time over the configuration's wall time "
-        "(one core = 100%)",
-        "~: estimated (not run), scaled from the row named in the JSON 'basis'",
+        "agreement / critical: from the last member of a stake entering the step's "
+        "agreement to the last leaving it / its report, median over stakes and steps",
+        "store req/step: requests at the store server per step, steady state "
+        "(the previous design's busiest process); set-up req: once per channel",
+        "~: modelled (not run) from the row named in the JSON 'basis'",
     ]
     return "\n".join(lines)
 
@@ -327,12 +279,12 @@ def format_scale_table(rows: list[dict[str, Any]]) -> str:
 def _config(args: argparse.Namespace) -> ScaleConfig:
     cfg = ScaleConfig.quick() if args.quick else ScaleConfig()
     changes = {
-        "ranks": tuple(args.ranks) if args.ranks else None,
-        "checkpoints": tuple(args.checkpoints) if args.checkpoints else None,
+        "channel_ranks": tuple(args.ranks) if args.ranks else None,
+        "store_ranks": tuple(args.store_ranks) if args.store_ranks is not None else None,
+        "group": args.group,
         "steps": args.steps,
         "workers": args.workers,
         "timeout": args.timeout,
-        "budget_s": args.budget,
     }
     return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
 
@@ -342,21 +294,21 @@ def main(argv: list[str] | None = None) -> int:
     saw an error."""
     parser = argparse.ArgumentParser(
         prog="python -m remat_dist bench --scale",
-        description="The step agreement's store traffic with up to 1,024 simulated "
-        "ranks against one real TCPStore, and the per-checkpoint design it replaced.",
+        description="The per-step agreement among the ranks at stake (side channels) "
+        "against the world-wide store rounds it replaced, with simulated ranks.",
     )
     parser.add_argument("--json", default="bench_scale.json", help="write it here")
-    parser.add_argument("--quick", action="store_true", help="fewer steps, less budget")
-    parser.add_argument("--ranks", type=int, nargs="+", help="simulated ranks to run")
-    parser.add_argument("--checkpoints", type=int, nargs="+", help="per step")
-    parser.add_argument("--steps", type=int, help="measured steps (per-step design)")
+    parser.add_argument("--quick", action="store_true", help="small configurations")
+    parser.add_argument("--ranks", type=int, nargs="+", help="side-channel ranks to run")
+    parser.add_argument("--store-ranks", type=int, nargs="*", help="previous design's ranks")
+    parser.add_argument("--group", type=int, help="ranks per stake (TP degree)")
+    parser.add_argument("--steps", type=int, help="measured steps")
     parser.add_argument("--workers", type=int, help="worker processes")
-    parser.add_argument("--timeout", type=float, help="bound of each store round (s)")
-    parser.add_argument("--budget", type=float, help="time budget of the run (s)")
+    parser.add_argument("--timeout", type=float, help="bound of each round (s)")
     args = parser.parse_args(argv)
     result = run_scale(_config(args))
     print(format_scale_table(result["rows"]))
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.json}")
-    return 1 if any(r["errors"] for r in result["rows"]) else 0
+    return 1 if any(r.get("errors") for r in result["rows"]) else 0

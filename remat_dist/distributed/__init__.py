@@ -6,10 +6,11 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   issues; replay checks each one before issuing it (``collectives="replay"``) or
   issues none and serves the kept outputs (``collectives="save"``); divergence
   raises :class:`~remat_dist.errors.CollectiveReplayError` on every rank;
-* one plan agreement per step, before backward's first collective, and one
-  failure report at backward's end (:func:`check_plan_consistency` moves the
-  agreement earlier; :func:`mark_step` makes a rank that checkpoints nothing take
-  part);
+* a plan agreement among the ranks at stake (the groups whose collectives a
+  replay can re-issue) before backward's first collective, and a failure report
+  among them at backward's end, on a side channel between those ranks
+  (:func:`mark_step` makes a rank that checkpoints nothing take part;
+  :func:`check_plan_consistency` compares the full plan of a group on demand);
 * the default state hooks: ``checkpoint`` keeps this rank's RNG aligned on replay
   without user code (see :func:`default_state_hooks`).
 
@@ -30,6 +31,7 @@ from remat_dist.distributed._step import (
     mark_step,
     reset_step_state,
     set_replay_timeout,
+    step_stats,
 )
 from remat_dist.distributed.rng import (
     CPURNGStateHook,
@@ -51,6 +53,7 @@ __all__ = [
     "mark_step",
     "reset_step_state",
     "set_replay_timeout",
+    "step_stats",
     "CPURNGStateHook",
     "DTensorRNGStateHook",
     "DeviceRNGStateHook",

@@ -99,9 +99,10 @@ Where the rest lives
 ===================
 
 ``_optable`` (what each op writes, reads and compares), ``_intercept`` (the kernels,
-the observer stack, the backward watch), ``_ledger`` (entries and ledgers),
+the observer stack, the step hooks), ``_ledger`` (entries and ledgers),
 ``_verify`` (record, verify, serve; releasing peers on divergence), ``_step`` (the
-per-step plan agreement and end-of-backward report) and ``_replay`` (the
+agreements and end-of-backward reports among the ranks at stake, on ``_channel``'s
+side channels) and ``_replay`` (the
 checkpoint observer tying them together). This module is their front door.
 """
 

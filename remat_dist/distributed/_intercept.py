@@ -1,12 +1,15 @@
 """Interception of every ``c10d::`` collective on the calling thread (see
 ``_collectives`` for why a ``Fake``-key kernel and what it catches), the observer
-stack of ``observe_collectives``, and the backward watch: a process-wide hook run
-before the first collective issued inside a backward pass while a step is armed,
-which is where the step's plan agreement runs."""
+stack of ``observe_collectives``, and the step hooks: process-wide callbacks run
+before every collective issued inside a backward pass (where the plan agreement of
+the ranks at stake runs) and, while a forward is noted, before every collective of
+that forward issued outside a checkpoint (whose group the rank then takes part in
+agreeing on)."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -30,8 +33,9 @@ __all__ = [
     "CollectiveCall",
     "CollectiveObserver",
     "interception_key",
+    "issued_by_fsdp",
     "observe_collectives",
-    "set_backward_watch",
+    "set_step_hooks",
 ]
 
 
@@ -213,8 +217,9 @@ class _TLS(threading.local):
 
 _tls = _TLS()
 _graph_task_id = torch._C._current_graph_task_id
-_watch: Callable[[], float | None] | None = None
-_watch_added_key = False
+_backward_hook: Callable[[], float | None] | None = None
+_forward_note: Callable[[tuple[int, ...]], None] | None = None
+_hooks_added_key = False
 
 
 def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple[Any, ...]:
@@ -227,28 +232,67 @@ def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple
     return tuple(out)
 
 
-def set_backward_watch(watch: Callable[[], float | None] | None) -> None:
-    """Run ``watch()`` before every collective issued inside a backward pass (on any
-    thread) until it is reset with None; a number it returns becomes that
-    collective's timeout (seconds). Also make this thread's collectives reach
-    the kernels from now on (the key stays included: the autograd engine hands the
-    thread-local state of the ``backward()`` call to the threads that run it);
-    resetting it to None takes the key out again.
+def set_step_hooks(
+    backward: Callable[[], float | None] | None,
+    forward_note: Callable[[tuple[int, ...]], None] | None = None,
+) -> None:
+    """Run ``backward()`` before every collective issued inside a backward pass (on
+    any thread); a number it returns becomes that collective's timeout (seconds).
+    Run ``forward_note(ranks)`` before every collective issued outside a backward
+    and outside any ``observe_collectives`` extent, with the ranks of its group,
+    unless it is point-to-point or FSDP2's own. Both stay until reset with None.
 
-    A watch must be cheap when it has nothing to do; it is process-wide because
-    the engine may run backward on its device threads.
+    Also make this thread's collectives reach the kernels while a hook is set (the
+    key stays included: the autograd engine hands the thread-local state of the
+    ``backward()`` call to the threads that run it); resetting both takes the key
+    out again. Hooks must be cheap when they have nothing to do: they are
+    process-wide because the engine may run backward on its device threads.
     """
-    global _watch, _watch_added_key
-    if watch is not None:
+    global _backward_hook, _forward_note, _hooks_added_key
+    if backward is not None or forward_note is not None:
         if not _installed:
             _install()
         if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
             torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
-            _watch_added_key = True
-    elif _watch_added_key and not _tls.stack:
+            _hooks_added_key = True
+    elif _hooks_added_key and not _tls.stack:
         torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
-        _watch_added_key = False
-    _watch = watch
+        _hooks_added_key = False
+    _backward_hook = backward
+    _forward_note = forward_note
+
+
+# ------------------------------------------------------------- FSDP2's own
+
+_FSDP_FILES = ("/distributed/fsdp/_fully_shard/", "\\distributed\\fsdp\\_fully_shard\\")
+_FSDP_DEPTH = 12
+"""FSDP2 issues its collectives a few frames above the kernel (its
+``foreach_all_gather`` / ``foreach_reduce`` call ``torch.distributed`` directly): only
+that many frames are looked at, not the whole stack."""
+_is_fsdp_code: dict[Any, bool] = {}
+
+
+def issued_by_fsdp(depth: int = 1) -> bool:
+    """Whether FSDP2's code is on the stack of the collective being issued (looked
+    for from ``depth`` frames above the caller)."""
+    frame: Any = sys._getframe(depth + 1)
+    for _ in range(_FSDP_DEPTH):
+        if frame is None:
+            return False
+        code = frame.f_code
+        hit = _is_fsdp_code.get(code)
+        if hit is None:
+            hit = _is_fsdp_code[code] = any(p in code.co_filename for p in _FSDP_FILES)
+        if hit:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _note(note: Callable[[tuple[int, ...]], None], spec: _OpSpec, args: tuple[Any, ...]) -> None:
+    if spec.agree is None or issued_by_fsdp(2):
+        return
+    note(_group_info(args[spec.group_idx]).ranks)
 
 
 @contextlib.contextmanager
@@ -267,11 +311,14 @@ def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
         tls = _tls
         if tls.bypass:
             return redispatch(keyset & _AFTER, *args)
-        watch = _watch
-        if watch is not None and _graph_task_id() != -1:
-            bound = watch()
-            if bound is not None and spec.timeout_idx is not None:
-                args = _with_timeout(spec, args, bound)
+        if _backward_hook is not None or _forward_note is not None:
+            if _graph_task_id() != -1:
+                hook = _backward_hook
+                bound = hook() if hook is not None else None
+                if bound is not None and spec.timeout_idx is not None:
+                    args = _with_timeout(spec, args, bound)
+            elif _forward_note is not None and not tls.stack:
+                _note(_forward_note, spec, args)
         stack = tls.stack
         if not stack:
             return redispatch(keyset & _AFTER, *args)

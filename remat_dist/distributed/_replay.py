@@ -6,15 +6,18 @@ never imports this. With a process group:
 * forward: every collective issued inside the checkpoint is recorded in a
   :class:`CollectiveLedger` on the checkpoint's record (``collectives="save"`` also
   keeps their outputs), stamped with how many tensors the checkpoint had saved;
-  at the forward's end the checkpoint's plan joins the step's (``_step``);
-* replay: the step's plan agreement runs first if this backward has not run it;
+  at the forward's end the checkpoint's plan joins the pending plan of each group
+  its replay is at stake on (``_step``);
+* replay: the agreement of the ranks at stake runs first if this backward has not
+  run it;
   then each collective is checked against the collectives this replay must issue
   *before* it is issued (``collectives="replay"``), or served from the kept
   outputs (``"save"``);
-* a replay that diverges or raises is absorbed: the rank releases what its peers
-  wait for, the core completes the replay with stand-ins, and the step's report at
+* a replay at stake that diverges or raises is absorbed: the rank releases what its
+  peers wait for, the core completes the replay with stand-ins, and the report at
   the end of backward raises :class:`~remat_dist.errors.CollectiveReplayError` on
-  every rank. A communication failure (timeout, dead peer) raises at once.
+  every rank of the stake. A replay at stake nowhere, and a communication failure
+  (timeout, dead peer), raise at once.
 
 FSDP2's own all-gathers and reduce-scatters are left out of the ledger: they belong
 to FSDP2's state machine (which unshards before backward reaches the block and
@@ -25,7 +28,6 @@ Without an initialised process group nothing is recorded and nothing is paid.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +37,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from remat_dist._logging import get_logger
 from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
-from remat_dist.distributed._intercept import CollectiveCall, observe_collectives
+from remat_dist.distributed._intercept import (
+    CollectiveCall,
+    issued_by_fsdp,
+    observe_collectives,
+)
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._verify import (
@@ -44,6 +50,7 @@ from remat_dist.distributed._verify import (
     VerifyCollectives,
     is_comm_failure,
 )
+from remat_dist.errors import CollectiveReplayError
 
 __all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
 
@@ -51,34 +58,6 @@ log = get_logger(__name__)
 
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
-
-_FSDP_FILES = ("/distributed/fsdp/_fully_shard/", "\\distributed\\fsdp\\_fully_shard\\")
-
-
-_is_fsdp_code: dict[Any, bool] = {}
-
-
-_FSDP_DEPTH = 10
-"""FSDP2 issues its collectives a few frames above the kernel (its
-``foreach_all_gather`` / ``foreach_reduce`` call ``torch.distributed`` directly): only
-that many frames are looked at, not the whole stack."""
-
-
-def _issued_by_fsdp() -> bool:
-    """Whether FSDP2's code is on the stack of the collective being issued."""
-    frame = sys._getframe(2)
-    for _ in range(_FSDP_DEPTH):
-        if frame is None:
-            return False
-        code = frame.f_code
-        hit = _is_fsdp_code.get(code)
-        if hit is None:
-            hit = _is_fsdp_code[code] = any(p in code.co_filename for p in _FSDP_FILES)
-        if hit:
-            return True
-        frame = frame.f_back
-    return False
-
 
 @dataclass
 class LedgerState:
@@ -90,6 +69,12 @@ class LedgerState:
     """Whether torch's checkpoint stops the replay at the last saved tensor."""
     fsdp_collectives: int = 0
     """FSDP2 collectives issued inside the forward (not in the ledger)."""
+    fsdp_stakes: set[tuple[int, ...]] = field(default_factory=set)
+    """The ranks of the groups of those FSDP2 collectives (the checkpoint contains
+    an FSDP unit: FSDP's group is at stake too)."""
+    stakes: tuple[tuple[int, ...], ...] = ()
+    """The ranks of every group this checkpoint's replay is at stake on (set at
+    the forward's end)."""
     replays: list[dict[str, int]] = field(default_factory=list)
     """Per replay: collectives ``issued`` and ``served`` (and FSDP2's)."""
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -132,13 +117,30 @@ class _SkipFSDP:
         self.replay = replay
 
     def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
-        if _issued_by_fsdp():
+        if issued_by_fsdp(2):
             if self.replay is None:
                 self.state.fsdp_collectives += 1
+                self.state.fsdp_stakes.add(call.group.ranks)
             else:
                 self.replay["fsdp"] += 1
             return issue()
         return self.inner.on_collective(call, issue)
+
+
+def stakes_of(state: LedgerState) -> dict[tuple[int, ...], dict[str, str]]:
+    """The ranks at stake on a checkpoint's replay, each with the fingerprints (per
+    process group over those ranks) that they compare: every group of its forward
+    ledger but point-to-point, and FSDP's groups when it contains an FSDP unit."""
+    ranks_of = {
+        f"{e.group_name}/{len(e.group_ranks)}": tuple(sorted(e.group_ranks))
+        for e in state.ledger.entries
+    }
+    out: dict[tuple[int, ...], dict[str, str]] = {}
+    for key, fp in state.ledger.group_fingerprints().items():
+        out.setdefault(ranks_of[key], {})[key] = fp
+    for ranks in state.fsdp_stakes:
+        out.setdefault(tuple(sorted(ranks)), {})
+    return out
 
 
 def ledger_of(record: CheckpointRecord) -> LedgerState | None:
@@ -189,7 +191,7 @@ class _LedgerObserver:
             return
         import torch.distributed as dist
 
-        _step.current_step().replay_starts()
+        _step.current_step().replay_starts(state.stakes)
         expected = state.replay_plan(len(record.pack_specs or ()))
         served = any(e.kept is not None for e in expected)
         if log.isEnabledFor(10):  # DEBUG
@@ -240,7 +242,8 @@ class _LedgerObserver:
     def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
         state = ledger_of(record)
         observer = None if state is None else state._observer
-        if observer is None or is_comm_failure(error):
+        if observer is None or not state.stakes or is_comm_failure(error):
+            # nothing at stake: no peer waits on this replay; raise as torch does
             return False
         message = observer.fail(error)
         log.warning(
@@ -262,15 +265,17 @@ class _LedgerObserver:
         if not replay:
             state._recorder = None
             if error is None:
-                _step.current_step().add_checkpoint(
-                    plan_of(record), state.ledger.group_fingerprints()
-                )
+                by_stake = stakes_of(state)
+                state.stakes = tuple(sorted(by_stake))
+                _step.current_step().add_checkpoint(plan_of(record), by_stake)
             return
         counts = state.replays[-1]
         counts["issued"], counts["served"] = observer.issued, observer.served
         if error is None and observer.failure is None:
             failure = observer.finish()
             if failure is not None:
+                if not state.stakes:
+                    raise CollectiveReplayError(failure)
                 _step.current_step().fail(failure)
 
 

@@ -1,66 +1,83 @@
-"""One plan agreement per step, before backward's first collective, and one failure
-report at backward's end: the two store rounds that make replay safe by
-construction.
+"""The plan agreement and the end-of-backward report, among the ranks at stake only.
 
-What a step is: the checkpoints run in forward since the last agreement (plus any
-``mark_step()``), and the backward that replays them. Its life, per process::
+A checkpoint's replay is at stake on the process groups whose collectives it can
+re-issue: the groups of its forward ledger (TP, CP, EP groups; FSDP's group when
+the checkpoint contains an FSDP unit). Point-to-point ops never put a group at
+stake. A group is known by its ranks (``stake``: the sorted tuple), so two process
+groups over the same ranks agree once.
 
-    IDLE --forward checkpoint / mark_step--> ARMED
-    ARMED --first collective in backward, first replay, check_plan_consistency()-->
-        AGREED   (store exchange: every rank posts its plan digest)
-    AGREED --inside backward--> IN_BACKWARD  (a callback is queued for its end)
-    IN_BACKWARD --backward ends--> IDLE       (store report: failures, if any)
+What each rank does, per autograd graph that replays or communicates (a step, or
+one micro-batch of a pipeline schedule)::
 
-The agreement compares, across the ranks of the step group (the world), the
-sequence of checkpoints run in forward with each one's collective mode and every
-region's decision and mode, and, per process group, the rank-invariant fingerprint
-of the collectives each checkpoint's forward issued on it (compared among that
-group's ranks only). It runs before backward issues its first collective on any
-rank (the collective kernels call :meth:`StepAgreement.in_backward` first), so a
-mismatch raises :class:`PlanMismatchError` on every rank while no rank is inside a
-collective. A replay that diverges or raises on one rank is absorbed there (the
-core completes it with stand-ins, the rank releases the collectives its peers
-wait for, see ``_verify``), so every rank runs the same backward; the report at
-backward's end then raises the same :class:`CollectiveReplayError` on every rank,
-before the optimizer step.
+    forward   each checkpoint's plan joins the pending plan of each of its stakes;
+              after mark_step() (apply_remat calls it) or a checkpoint, the groups
+              of collectives issued outside checkpoints are noted too, so that a
+              rank that checkpoints nothing still meets its peers
+    backward  at the first replay or first collective of the graph task: one
+              agreement per stake with a pending plan or a note, in the order of
+              the stakes' ranks; a mismatch raises PlanMismatchError on every
+              rank of that stake before any of them issues a collective
+    end       one report per stake agreed or replayed in this graph task: a replay
+              that diverged or raised on one rank was absorbed there (stand-ins,
+              released peers) and every rank of the stake raises
+              CollectiveReplayError, before the optimizer step
+
+Nothing at stake (FSDP2 or DDP with checkpoints inside the units): no agreement,
+no report, no message, no store request. The rounds run on a side channel per
+stake (``_channel``: direct links among the stake's ranks, ``log2(n)`` hops); the
+c10d store sees the channel's setup and slow or failed rounds only. Because the
+pending plan is keyed by stake and drained by the first graph task that needs it,
+several graphs alive at once (pipeline schedules, gradient accumulation) each agree
+once, and pipeline stages never wait on each other.
 """
 
 from __future__ import annotations
 
 import atexit
-import enum
 import hashlib
 import json
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from remat_dist._logging import get_logger
-from remat_dist.distributed._intercept import set_backward_watch
+from remat_dist.distributed._channel import ChannelFailure, SideChannel
+from remat_dist.distributed._intercept import set_step_hooks
+from remat_dist.distributed._plan import PlanDigest, explain, plans_differ
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._store_round import RoundTimeout, StoreRound
 from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
-__all__ = ["StepAgreement", "current_step", "mark_step", "set_replay_timeout"]
+__all__ = [
+    "StepState",
+    "check_plan_consistency",
+    "current_step",
+    "mark_step",
+    "reset_step_state",
+    "set_replay_timeout",
+    "step_stats",
+]
 
 log = get_logger(__name__)
 
 REPLAY_TIMEOUT_S = 20.0
-"""Default bound (seconds) for a store round and for each replayed collective."""
-
-HEAD_ENTRIES = 64
-"""Plan entries each rank sends to explain a mismatch."""
+"""Default bound (seconds) for an agreement, a report, and each replayed collective."""
 
 _timeout = REPLAY_TIMEOUT_S
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 
+Stake = tuple[int, ...]
+
+_AGREE, _REPORT = 1, 2
+
 
 def set_replay_timeout(seconds: float) -> None:
-    """Bound (seconds) for every rank to reach a step's agreement or report, and
-    for each replayed collective; past it, each rank raises instead of waiting. Call
-    it on every rank before training."""
+    """Bound (seconds) for the ranks at stake to reach an agreement or report, and
+    for each collective of a backward that replays; past it, each rank raises
+    instead of waiting. Call it on every rank before training."""
     global _timeout
     _timeout = float(seconds)
 
@@ -69,370 +86,466 @@ def replay_timeout() -> float:
     return _timeout
 
 
-class StepPhase(enum.Enum):
-    IDLE = "idle"
-    ARMED = "armed"
-    AGREED = "agreed"
-    IN_BACKWARD = "in backward"
+@dataclass
+class _StakeState:
+    """One stake's pending plan, note and side channel."""
+
+    ranks: Stake
+    pending: PlanDigest = field(default_factory=PlanDigest)
+    noted: bool = False
+    rounds: int = 0
+    """Rounds run (on every member alike): a channel is named by the round it
+    was made for, so members that replace a failed one meet on the new one."""
+    channel: SideChannel | None = None
+    agreements: int = 0
+    reports: int = 0
+
+    def needs_agreement(self) -> bool:
+        return self.noted or self.pending.count > 0
 
 
-class StepAgreement:
-    """The step machine of one process for the ranks of ``group`` (the world)."""
+@dataclass
+class _Task:
+    """One autograd graph task that something at stake took part in."""
 
-    def __init__(self, group: Any = None) -> None:
+    id: int
+    report: set[Stake] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+    queued: bool = False
+    ended: bool = False
+
+
+@dataclass
+class StepStats:
+    """What the agreement cost this process so far (``step_stats()``)."""
+
+    agreements: int = 0
+    reports: int = 0
+    messages: int = 0
+    store_requests: int = 0
+    channels: int = 0
+
+
+class StepState:
+    """This process's agreements and reports, one per stake (made again when the
+    process group is destroyed and created again)."""
+
+    def __init__(self, world: Any, namespace: str) -> None:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        self.group = group if group is not None else dist.group.WORLD
+        self.world = world
+        self.namespace = namespace
         self.rank = dist.get_rank()
-        ranks = tuple(dist.get_process_group_ranks(self.group))
-        name = str(self.group.group_name)
-        store = dist.PrefixStore(
-            f"remat_dist/step/{_namespace}/{name}", c10d._get_default_store()
-        )
-        self.round = StoreRound(store, ranks, self.rank)
-        self.phase = StepPhase.IDLE
-        self.steps = 0
-        self.failures: list[str] = []
+        self.store = c10d._get_default_store()
+        self.stakes: dict[Stake, _StakeState] = {}
+        self.task: _Task | None = None
+        self.owed: _Task | None = None
+        self.noting = False
+        self.stats = StepStats()
+        self.full = PlanDigest()
+        """Every checkpoint since the last ``check_plan_consistency()``."""
+        self._checks: dict[str, StoreRound] = {}
         # backward may run on the engine's device threads: one transition at a time
         self._lock = threading.RLock()
-        self._reset_plan()
 
-    # -- plan
-    def _reset_plan(self) -> None:
-        self._hasher = hashlib.sha256()
-        self._groups: dict[str, Any] = {}
-        self._count = 0
-        self._head: list[Any] = []
-
-    def add_checkpoint(self, entry: list[Any], group_fps: dict[str, str]) -> None:
-        """A checkpoint's forward ended: ``entry`` is its plan, ``group_fps`` its
-        ledger's fingerprint per process group."""
-        self._settle_stale()
-        self.arm()
-        self._hasher.update(json.dumps(entry, separators=(",", ":")).encode())
-        for key, fp in group_fps.items():
-            h = self._groups.get(key)
-            if h is None:
-                h = self._groups[key] = hashlib.sha256()
-            h.update(f"{self._count}:{fp}\n".encode())
-        self._count += 1
-        if len(self._head) < HEAD_ENTRIES:
-            self._head.append([*entry, group_fps])
-
+    # -- forward
     def arm(self) -> None:
-        """Something in this step needs agreeing (again, after an early
-        ``check_plan_consistency()``)."""
-        self._settle_stale()
-        if self.phase is StepPhase.IDLE or self.phase is StepPhase.AGREED:
-            self.phase = StepPhase.ARMED
-            set_backward_watch(self.in_backward)
+        """Note the groups of the collectives issued from now on in this forward
+        (``mark_step``, a checkpoint's start)."""
+        self._settle_owed()
+        if not self.noting:
+            self.noting = True
+            self._hooks()
 
-    def _value(self) -> str:
-        return json.dumps(
-            {
-                "p": f"{self._hasher.hexdigest()[:16]}:{self._count}",
-                "g": {k: h.hexdigest()[:16] for k, h in sorted(self._groups.items())},
-            },
-            separators=(",", ":"),
-        )
+    def note(self, stake: Stake) -> None:
+        """A collective on the ranks ``stake`` was issued in forward, outside any
+        checkpoint, while armed."""
+        if len(stake) > 1 and self.rank in stake:
+            state = self._stake(stake)
+            if not state.noted:
+                state.noted = True
+                self._hooks()
 
-    # -- the agreement
+    def add_checkpoint(self, entry: list[Any], by_stake: dict[Stake, dict[str, str]]) -> None:
+        """A checkpoint's forward ended: ``entry`` is its plan, ``by_stake`` its
+        ledger's fingerprint per process group, grouped by the groups' ranks."""
+        self.full.add(entry, {k: v for fps in by_stake.values() for k, v in fps.items()})
+        for stake, fps in by_stake.items():
+            if len(stake) > 1 and self.rank in stake:
+                self._stake(stake).pending.add(entry, fps)
+        if by_stake:
+            self._hooks()
+
+    def _stake(self, stake: Stake) -> _StakeState:
+        state = self.stakes.get(stake)
+        if state is None:
+            state = self.stakes[stake] = _StakeState(stake)
+        return state
+
+    # -- backward
     def in_backward(self) -> float | None:
-        """Before every collective of a backward and before every replay starts:
-        agree if this step has not; returns the bound (seconds) for the collective
-        while a step's backward runs (None: no step)."""
-        phase = self.phase
-        if phase is StepPhase.IN_BACKWARD:
-            return _timeout
-        if phase is StepPhase.IDLE:
-            return None
-        with self._lock:
-            if self.phase is StepPhase.ARMED:
-                self.agree("backward")
-            if self.phase is StepPhase.AGREED and _graph_task_id() != -1:
-                _queue_callback(self._end_of_backward)
-                self.phase = StepPhase.IN_BACKWARD
-        return _timeout
+        """Before every collective of a backward: agree if this graph task has not;
+        returns the bound (seconds) for the collective, None when nothing of this
+        graph task is at stake."""
+        task = self.task
+        if task is None or task.id != _graph_task_id():
+            with self._lock:
+                task = self._begin()
+        return _timeout if task.report else None
 
-    def replay_starts(self) -> None:
-        """A replay starts: agree if not yet done in this backward (a backward that
-        replays checkpoints of an earlier, already agreed step agrees on nothing)."""
-        self._settle_stale()
+    def replay_starts(self, stakes: tuple[Stake, ...]) -> None:
+        """A replay of a checkpoint at stake on ``stakes`` starts (agree first if
+        this graph task has not); its stakes report at this task's end."""
         with self._lock:
-            if self.phase is StepPhase.IDLE:
-                self.phase = StepPhase.ARMED
-            self.in_backward()
+            task = self.task
+            if task is None or task.id != _graph_task_id():
+                task = self._begin()
+            mine = [s for s in stakes if len(s) > 1 and self.rank in s]
+            if mine:
+                task.report.update(mine)
+                self._queue_end(task)
 
-    def agree(self, where: str) -> None:
-        """The step's one exchange; raises :class:`PlanMismatchError` everywhere."""
-        value = self._value()
-        head = self._head
-        self._reset_plan()
-        self.phase = StepPhase.AGREED
+    def fail(self, message: str) -> None:
+        """This rank's replay failed and was absorbed: the graph task must fail."""
+        task = self.task
+        if task is not None:
+            task.failures.append(message)
+
+    def _begin(self) -> _Task:
+        tid = _graph_task_id()
+        previous = self.task
+        if previous is not None and previous.report and not previous.ended:
+            self.owed = previous  # it raised before its end
+        self._settle_owed()
+        task = self.task = _Task(tid)
+        need = sorted(s for s, st in self.stakes.items() if st.needs_agreement())
+        self.noting = False
+        if not need:
+            self._hooks()
+            return task
+        errors: list[BaseException] = []
+        for stake in need:
+            try:
+                self._agree(stake)
+                task.report.add(stake)
+            except PlanMismatchError as e:
+                errors.append(e)
+        if task.report:
+            self._queue_end(task)
+        self._hooks()
+        if errors:
+            raise errors[0]
+        return task
+
+    def _queue_end(self, task: _Task) -> None:
+        if not task.queued and _graph_task_id() != -1:
+            task.queued = True
+            _queue_callback(lambda: self._end(task))
+
+    # -- the rounds
+    def _make_channel(self, state: _StakeState, index: int) -> SideChannel:
+        digest = hashlib.sha1(",".join(map(str, state.ranks)).encode()).hexdigest()[:12]
+        key = f"remat_dist/ch/{self.namespace}/{digest}/{index}"
+        state.channel = None
+        ch = SideChannel(state.ranks, self.rank, self.store, key, _timeout)
+        state.channel = ch
+        self.stats.channels += 1
+        return ch
+
+    def _count(self, ch: SideChannel) -> None:
+        self.stats.messages += ch.messages
+        self.stats.store_requests += ch.store_requests
+        ch.messages = ch.store_requests = 0
+
+    def _round(self, state: _StakeState, fn: Any) -> Any:
+        """Run ``fn(channel)`` as this stake's next round; a channel aborted in a
+        round this rank completed is replaced and the round run again on the new
+        one (where the rank that aborted meets it)."""
+        index = state.rounds
+        state.rounds += 1
+        for attempt in range(2):
+            ch = state.channel
+            if ch is None or ch.broken:
+                ch = self._make_channel(state, index)
+            try:
+                return fn(ch)
+            except ChannelFailure as f:
+                if not (f.stale and attempt == 0):
+                    raise
+            finally:
+                self._count(ch)
+        raise AssertionError("unreachable")
+
+    def _agree(self, stake: Stake) -> None:
+        state = self.stakes[stake]
+        plan, state.pending, state.noted = state.pending, PlanDigest(), False
+        words = plan.words()
+        state.agreements += 1
+        self.stats.agreements += 1
+        what = f"the plan agreement of ranks {list(stake)}"
         try:
-            verdict = self.round.exchange(value, timeout=_timeout, judge=_plans_differ)
-            if verdict is not None:
-                payload = json.dumps({"v": value, "head": head}, separators=(",", ":"))
-                explained = self.round.exchange(payload, timeout=_timeout)
-        except RoundTimeout as t:
-            self.phase = StepPhase.IDLE
-            text = _timeout_text(self, t, f"the plan agreement ({where})")
+            got = self._round(
+                state, lambda ch: ch.reduce_max(_tagged(_AGREE, words), _timeout)
+            )
+            _check_tag(got, _AGREE, stake)
+            if _all_equal(got[2:], words):
+                log.info(
+                    "%s: %d checkpoint(s) agreed in %.2f ms (%d side-channel "
+                    "messages by this rank so far)",
+                    what, plan.count, state.channel.last_round_s * 1e3 if state.channel else 0.0,
+                    self.stats.messages,
+                )
+                return
+            got_all = self._round(state, lambda ch: ch.gather(plan.payload(), _timeout))
+        except ChannelFailure as f:
+            text = _failure_text(self.rank, stake, f, what)
             log.error("%s", text)
             raise PlanMismatchError(text) from None
-        except BaseException:
-            self.phase = StepPhase.IDLE
-            raise
-        if verdict is None:
-            log.info(
-                "step %d: plan agreed at %s (%d checkpoints) in %.2f ms; %d store "
-                "requests by this rank so far",
-                self.steps, where, len(head), self.round.last_round_s * 1e3,
-                self.round.requests,
-            )
-            return
-        self.phase = StepPhase.IDLE
-        plans = {r: json.loads(v) for r, v in (explained or {}).items()}
-        text = _explain(plans)
-        log.error("step %d: %s", self.steps, text)
+        text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
+        log.error("%s", text)
         raise PlanMismatchError(text)
 
-    # -- failures and the report
-    def fail(self, message: str) -> None:
-        """This rank's replay failed and was absorbed: the step must fail."""
-        self.failures.append(message)
+    def _end(self, task: _Task) -> None:
+        with self._lock:
+            task.ended = True
+            if self.owed is task:
+                self.owed = None
+            failure = task.failures[0] if task.failures else None
+            try:
+                self._report(task, failure)
+            finally:
+                self._hooks()
 
-    def _end_of_backward(self) -> None:
-        self.phase = StepPhase.IDLE
-        self.steps += 1
-        failure = self.failures[0] if self.failures else None
-        self.failures = []
-        self._report(failure)
+    def _report(self, task: _Task, failure: str | None) -> None:
+        errors: list[BaseException] = []
+        for stake in sorted(task.report):
+            state = self.stakes.get(stake)
+            if state is None:
+                continue
+            state.reports += 1
+            self.stats.reports += 1
+            flag = 0 if failure is None else 1
+            what = f"the end-of-backward report of ranks {list(stake)}"
+            try:
+                got = self._round(
+                    state, lambda ch, f=flag: ch.reduce_max(_tagged(_REPORT, [f]), _timeout)
+                )
+                _check_tag(got, _REPORT, stake)
+                if got[2] == 0:
+                    continue
+                msg = (failure or "").encode()
+                msgs = self._round(state, lambda ch, m=msg: ch.gather(m, _timeout))
+            except ChannelFailure as f:
+                text = _failure_text(self.rank, stake, f, what)
+                log.error("%s", text)
+                errors.append(CollectiveReplayError(text))
+                continue
+            failed = sorted(r for r, m in msgs.items() if m)
+            reports = "\n".join(f"[rank {r}] {msgs[r].decode()}" for r in failed)
+            err = CollectiveReplayError(
+                f"the replay diverged or failed on ranks {failed}; every rank of "
+                f"{list(stake)} stops at the end of backward (the gradients of this "
+                f"step are wrong: do not step the optimizer).\n{reports}"
+            )
+            err.failed_ranks = failed  # type: ignore[attr-defined]
+            log.error("%s", err)
+            errors.append(err)
+        if errors:
+            raise errors[0]
 
-    def _report(self, failure: str | None) -> None:
+    def _settle_owed(self) -> None:
+        """A graph task that raised never reached its end: take part in its reports
+        (saying so) so that the stakes' rounds stay aligned."""
+        owed, self.owed = self.owed, None
+        if owed is None:
+            task = self.task
+            if task is None or not task.report or task.ended or _graph_task_id() != -1:
+                return
+            owed = task
+        owed.ended = True
         try:
-            verdict = self.round.report(failure, timeout=_timeout)
-        except RoundTimeout as t:
-            text = _timeout_text(self, t, "the end of backward")
-            log.error("%s", text)
-            raise CollectiveReplayError(text) from None
-        log.debug(
-            "end-of-backward report in %.2f ms: %s",
-            self.round.last_round_s * 1e3, "ok" if verdict is None else sorted(verdict),
-        )
-        if verdict is None:
-            return
-        failed = sorted(verdict)
-        reports = "\n".join(f"[rank {r}] {verdict[r]}" for r in failed)
-        err = CollectiveReplayError(
-            f"the replay diverged or failed on ranks {failed}; every rank of the step "
-            f"stops at the end of backward (the gradients of this step are wrong: "
-            f"do not step the optimizer).\n{reports}"
-        )
-        err.failed_ranks = failed  # type: ignore[attr-defined]
-        log.error("%s", err)
-        raise err
-
-    def _settle_stale(self) -> None:
-        """A backward that raised never reached its end: take part in its report
-        (saying so) so that the ranks' rounds stay aligned."""
-        if self.phase is not StepPhase.IN_BACKWARD or _graph_task_id() != -1:
-            return
-        self.phase = StepPhase.IDLE
-        self.failures = []
-        try:
-            self._report(f"rank {self.rank}: backward raised before the end of the step")
+            self._report(owed, f"rank {self.rank}: backward raised before the end of the step")
         except (CollectiveReplayError, PlanMismatchError):
             pass
 
+    def _hooks(self) -> None:
+        """Intercept collectives only while something needs it."""
+        active = (
+            self.noting
+            or any(s.needs_agreement() for s in self.stakes.values())
+            or (self.task is not None and bool(self.task.report) and not self.task.ended)
+        )
+        if active:
+            set_step_hooks(self.in_backward, self.note if self.noting else None)
+        else:
+            set_step_hooks(None, None)
 
-def _plans_differ(values: dict[int, str]) -> bool:
-    plans = {json.loads(v)["p"] for v in values.values()}
-    if len(plans) > 1:
-        return True
-    return bool(_group_mismatches({r: json.loads(v)["g"] for r, v in values.items()}))
+    def check(self, group: Any) -> None:
+        """``check_plan_consistency(group)``: one store round among ``group``'s ranks
+        over the full plan since the last check."""
+        import torch.distributed as dist
+
+        plan, self.full = self.full, PlanDigest()
+        name = str(group.group_name)
+        rnd = self._checks.get(name)
+        if rnd is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            store = dist.PrefixStore(f"remat_dist/check/{self.namespace}/{name}", self.store)
+            rnd = self._checks[name] = StoreRound(store, ranks, self.rank)
+        what = f"check_plan_consistency() of ranks {list(rnd.ranks)}"
+        try:
+            verdict = rnd.exchange(plan.value(), timeout=_timeout, judge=plans_differ)
+            if verdict is not None:
+                explained = rnd.exchange(plan.payload().decode(), timeout=_timeout)
+        except RoundTimeout as t:
+            failure = ChannelFailure(
+                "timeout" if t.by is None else "aborted", "", missing=t.missing, by=t.by
+            )
+            text = _failure_text(self.rank, rnd.ranks, failure, what)
+            log.error("%s", text)
+            raise PlanMismatchError(text) from None
+        if verdict is None:
+            return
+        text = explain({r: json.loads(v) for r, v in explained.items()}, what)
+        log.error("%s", text)
+        raise PlanMismatchError(text)
+
+    def close(self) -> None:
+        for state in self.stakes.values():
+            if state.channel is not None:
+                self._count(state.channel)
+                state.channel.close()
+                state.channel = None
 
 
-def _group_mismatches(groups: dict[int, dict[str, str]]) -> list[str]:
-    """Per process group: its ranks must hold equal fingerprints."""
-    members: dict[str, dict[int, str]] = {}
-    for r, g in groups.items():
-        for key, fp in g.items():
-            members.setdefault(key, {})[r] = fp
-    out = []
-    for key, fps in sorted(members.items()):
-        size = int(key.rsplit("/", 1)[1])
-        if len(fps) != size or len(set(fps.values())) > 1:
-            out.append(key)
-    return out
+def _tagged(tag: int, words: list[int]) -> list[int]:
+    return [tag, -tag, *words, *(-w for w in words)]
 
 
-def _timeout_text(step: StepAgreement, t: RoundTimeout, what: str) -> str:
-    who = (
-        f"ranks {t.missing}" if t.missing else
-        f"{len(step.round.ranks) - t.arrived} rank(s)"
-    )
-    by = "" if t.by is None else f" (rank {t.by} gave up waiting first)"
+def _check_tag(got: list[int], tag: int, stake: Stake) -> None:
+    if got[0] != tag or -got[1] != tag:
+        raise ChannelFailure(
+            "out of step",
+            f"the ranks of {list(stake)} ran different rounds (agreement vs report): "
+            "they ran another number of steps, or a step raised on some ranks only",
+        )
+
+
+def _all_equal(got: list[int], words: list[int]) -> bool:
+    n = len(words)
+    return all(got[i] == -got[n + i] for i in range(n))
+
+
+def _failure_text(rank: int, stake: Stake, f: ChannelFailure, what: str) -> str:
+    if f.reason == "aborted":
+        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
+        head = (
+            f"rank {rank}: {who} of {list(stake)} did not reach {what} in time "
+            f"(rank {f.by} gave up waiting first)"
+        )
+    elif f.reason == "timeout":
+        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
+        head = f"rank {rank}: {who} of {list(stake)} did not reach {what} within {_timeout:g} s"
+    elif f.reason == "closed":
+        head = f"rank {rank}: {what} could not complete: {f}"
+    else:
+        head = f"rank {rank}: {what} is out of step: {f}"
     return (
-        f"rank {step.rank}: {who} of the step group did not reach {what} within "
-        f"{_timeout:g} s{by}: they stalled, died, raised earlier in this step, or "
-        "run another number of steps. No rank issued a collective of this backward "
+        f"{head}: they stalled, died, raised earlier in this step, or run another "
+        "number of steps. No rank of them issued a collective of this backward "
         "after it. Fix the failing rank (its own error says why); raise the bound "
         "with remat_dist.set_replay_timeout(seconds)."
     )
 
 
-def _flatten(plan: list[Any]) -> list[tuple[str, str]]:
-    out = []
-    for name, mode, regions, _ in plan:
-        out.append((name, f"checkpoint, collectives={mode}"))
-        out.extend(
-            (f"{name}::{region}", f"{decision}, collectives={rmode}")
-            for region, decision, rmode in regions
-        )
-    return out
-
-
-def _explain(plans: dict[int, dict[str, Any]]) -> str:
-    fix = (
-        "Every rank must run the same checkpoints in the same order with the same "
-        "save/recompute decisions and collective modes, and issue the same "
-        "collectives inside them (a decision that depends on the rank or on the data "
-        "makes replays issue different collectives). Fix: derive region(..., "
-        "recompute=...), collectives= and the checkpointed blocks from configuration "
-        "shared by all ranks."
-    )
-    flat = {r: _flatten(p["head"]) for r, p in plans.items()}
-    groups: dict[str, list[int]] = {}
-    for r, f in sorted(flat.items()):
-        groups.setdefault(json.dumps(f), []).append(r)
-    if len(groups) > 1:
-        ref_key = max(groups, key=lambda k: (len(groups[k]), -groups[k][0]))
-        ref_ranks, ref = groups[ref_key], json.loads(ref_key)
-        differ = sorted(r for k, rs in groups.items() if k != ref_key for r in rs)
-        lines = []
-        for r in differ:
-            mine = flat[r]
-            i = next(
-                (i for i, (a, b) in enumerate(zip(mine, ref)) if tuple(a) != tuple(b)),
-                min(len(mine), len(ref)),
-            )
-            theirs = f"{mine[i][0]} ({mine[i][1]})" if i < len(mine) else "(nothing more)"
-            expected = f"{ref[i][0]} ({ref[i][1]})" if i < len(ref) else "(nothing more)"
-            lines.append(f"  rank {r} at entry {i}: {theirs}   ranks {ref_ranks}: {expected}")
-        return (
-            f"the plan agreement of this step failed: ranks {differ} ran another "
-            f"checkpoint/region plan than ranks {ref_ranks}; first difference:\n"
-            + "\n".join(lines) + "\n" + fix
-        )
-    heads = {r: p["head"] for r, p in plans.items()}
-    keys = _group_mismatches({r: json.loads(p["v"])["g"] for r, p in plans.items()})
-    lines = []
-    for key in keys:
-        by_ckpt: dict[int, dict[int, str]] = {}
-        for r, head in heads.items():
-            for i, entry in enumerate(head):
-                fp = entry[3].get(key, "nothing")
-                by_ckpt.setdefault(i, {})[r] = fp
-        first = next(
-            (i for i in sorted(by_ckpt) if len(set(by_ckpt[i].values())) > 1), None
-        )
-        if first is None:
-            lines.append(f"  {_group_text(key)}: the ranks issued other collectives on it")
-            continue
-        name = next(iter(heads.values()))[first][0]
-        fps = by_ckpt[first]
-        detail = "; ".join(
-            f"ranks {sorted(r for r in fps if fps[r] == v)}: {_fp_text(v)}"
-            for v in sorted(set(fps.values()))
-        )
-        lines.append(f"  checkpoint '{name}', {_group_text(key)}: {detail}")
-    return (
-        "the plan agreement of this step failed: the ranks of a process group "
-        "recorded other collectives in a checkpoint's forward:\n" + "\n".join(lines)
-        + "\n" + fix
-    )
-
-
-def _group_text(key: str) -> str:
-    name, _, size = key.rpartition("/")
-    return f"process group '{name}' ({size} ranks)"
-
-
-def _fp_text(v: str) -> str:
-    if v == "nothing":
-        return "no collective"
-    fp, _, count = v.partition(":")
-    return f"{count} collective(s), fingerprint {fp}"
-
-
-_steps: dict[str, StepAgreement] = {}
+_state: StepState | None = None
 _namespace = "0"
 
 
 @atexit.register
 def _release_at_exit() -> None:
-    # Drop the store clients and the dispatch key while the interpreter is whole:
-    # a c10d store freed during interpreter teardown can abort the process.
-    _steps.clear()
-    set_backward_watch(None)
+    # Close the links and drop the dispatch hooks while the interpreter is whole.
+    global _state
+    if _state is not None:
+        _state.close()
+    _state = None
+    set_step_hooks(None, None)
 
 
 def reset_step_state(namespace: str) -> None:
-    """Forget this process's step state; later rounds use the store key space
-    ``namespace``, which must be the same on every rank. For long-lived processes
-    that run unrelated jobs in turn (a test harness), or to start clean after an
-    error left the ranks' rounds out of step."""
-    global _namespace
-    _steps.clear()
-    set_backward_watch(None)
+    """Forget this process's agreement state and close its side channels; later
+    rounds use the store key space ``namespace``, which must be the same on every
+    rank. For long-lived processes that run unrelated jobs in turn (a test
+    harness), or to start clean after an error left the ranks out of step."""
+    global _state, _namespace
+    if _state is not None:
+        _state.close()
+    _state = None
+    set_step_hooks(None, None)
     _namespace = namespace
 
 
-def current_step() -> StepAgreement:
-    """This process's step machine for the world (made again when the process group
-    is destroyed and created again)."""
+def current_step() -> StepState:
+    """This process's agreement state (made again when the process group is
+    destroyed and created again)."""
     import torch.distributed as dist
 
+    global _state
     world = dist.group.WORLD
-    key = str(world.group_name)
-    step = _steps.get(key)
-    if step is None or step.group is not world:
-        step = _steps[key] = StepAgreement(world)
-    return step
+    state = _state
+    if state is None or state.world is not world:
+        if state is not None:
+            state.close()
+        state = _state = StepState(world, _namespace)
+    return state
+
+
+def step_stats() -> StepStats:
+    """What the agreements and reports cost this process so far: rounds, side-channel
+    messages sent, store requests (channel set-up and slow rounds only)."""
+    if _state is None:
+        return StepStats()
+    state = _state
+    for s in state.stakes.values():
+        if s.channel is not None:
+            state._count(s.channel)
+    return StepStats(**vars(state.stats))
 
 
 def mark_step() -> None:
-    """Take part in this step's plan agreement even if this rank checkpoints
-    nothing in it. ``apply_remat`` calls it from the model's forward; call it once
-    per step (e.g. before the forward) where ranks may checkpoint nothing and you
-    use ``checkpoint`` directly. A no-op without a process group."""
-    if dist_ready():
+    """Take part in the agreements of this step's forward even if this rank
+    checkpoints nothing in it: the process groups of the collectives it issues
+    from now on (outside FSDP2's own and point-to-point) are at stake.
+    ``apply_remat`` calls it from the model's forward; call it once per forward
+    where ranks may checkpoint nothing and you use ``checkpoint`` directly. A
+    no-op without a process group."""
+    if dist_ready() and torch.is_grad_enabled():
         current_step().arm()
 
 
 def check_plan_consistency(group: Any = None) -> None:
-    """Run this step's plan agreement now instead of at backward's start.
+    """Compare, now, the full remat plan of the ranks of ``group`` (default: the
+    world): every checkpoint run since this rank's previous call, its regions'
+    decisions and collective modes, and the collectives it recorded per process
+    group — also where no collective is at stake, which the automatic agreements
+    leave alone. A collective call: every rank of ``group`` calls it at the same
+    point; one that does not come within the replay timeout makes the others raise.
 
-    Raises :class:`PlanMismatchError` on every rank unless all ran the same
-    checkpoints, regions, decisions and collective modes (and recorded the same
-    collectives per process group) since the last agreement. Every step is agreed
-    anyway before its backward's first collective; calling this (after the forward,
-    say) only moves the agreement earlier, so a rank that does not call it still
-    meets the others at its backward's start. ``group`` is accepted for
-    compatibility: the step group is the world. A no-op without a process group.
+    Raises :class:`PlanMismatchError` on every rank of ``group`` unless all ran the
+    same plan, naming the first difference and the ranks. A debugging aid: the
+    agreements that make replay safe run anyway, among the ranks at stake, before
+    backward's first collective. A no-op without a process group.
     """
     from remat_dist.core import current_frame
 
     if current_frame() is not None:
         raise PlanMismatchError(
             "remat_dist.check_plan_consistency() was called inside a checkpoint; "
-            "call it between steps (or after the forward), on every rank."
+            "call it between steps (or after the forward), on every rank of the group."
         )
-    del group
     if not dist_ready():
         return
-    step = current_step()
-    step._settle_stale()
-    if step.phase in (StepPhase.IDLE, StepPhase.ARMED):
-        step.agree("check_plan_consistency()")
+    import torch.distributed as dist
+
+    current_step().check(group if group is not None else dist.group.WORLD)

@@ -1,6 +1,6 @@
-"""``python -m remat_dist bench --scale`` on a tiny configuration (4 and 8 simulated
-ranks against one real TCPStore, 2 steps): what a user relies on, that the step
-agreement's store traffic per rank does not grow with the number of checkpoints."""
+"""``python -m remat_dist bench --scale`` on a tiny configuration: the side channel
+of a stake of 2 and of 4 simulated ranks, and the previous design's world store
+rounds on 4, each run for real; the modelled rows at 16,384 ranks follow."""
 
 from __future__ import annotations
 
@@ -10,39 +10,39 @@ from remat_dist.cli.bench_scale import ROW_KEYS
 from remat_dist.cli.main import main
 
 
-def _run_tiny(tmp_path, capsys):
+def test_bench_scale_tiny(tmp_path, capsys):
     out = tmp_path / "scale.json"
     rc = main(
-        ["bench", "--scale", "--ranks", "4", "8", "--checkpoints", "8", "64",
-         "--steps", "2", "--workers", "2", "--timeout", "20", "--budget", "60",
-         "--json", str(out)]
+        ["bench", "--scale", "--ranks", "2", "8", "--group", "4", "--store-ranks", "4",
+         "--steps", "3", "--workers", "2", "--timeout", "20", "--json", str(out)]
     )
     printed = capsys.readouterr().out
-    return rc, printed, json.loads(out.read_text())
-
-
-def test_bench_scale_tiny(tmp_path, capsys):
-    rc, printed, data = _run_tiny(tmp_path, capsys)
     assert rc == 0, printed
+    data = json.loads(out.read_text())
     assert {"machine", "torch", "date", "rows"} <= data.keys()
-    rows = {(r["ranks"], r["checkpoints"], r["design"]): r for r in data["rows"]}
-    assert len(rows) == 8  # 2 rank counts x 2 checkpoint counts x 2 designs
-    for row in data["rows"]:
-        assert set(ROW_KEYS) <= row.keys()
-        assert row["errors"] == 0, row["first_error"]  # every simulated rank
-    for n in (4, 8):
-        few, many = rows[n, 8, "step"], rows[n, 64, "step"]
-        assert not few["estimated"] and not many["estimated"]
-        # constant in checkpoints: one exchange and one report per step
-        for key in ("requests_per_rank_mean", "server_requests_per_step"):
-            assert few[key] == many[key], key
-        # 8 per rank, plus 2 for the rank that judges a round (the last to arrive)
-        for row in (few, many):
-            assert row["requests_per_rank_mean"] <= 8 + 4 / n
-            assert row["requests_per_rank_max"] <= 12
-        # the per-checkpoint design it replaces grows with the checkpoints
-        old8, old64 = rows[n, 8, "per-checkpoint"], rows[n, 64, "per-checkpoint"]
-        assert not old8["estimated"]
-        assert old8["requests_per_rank_mean"] >= 8 * few["requests_per_rank_mean"]
-        assert old64["requests_per_rank_mean"] >= 7 * old8["requests_per_rank_mean"]
-    assert "per-checkpoint" in printed and "server req/s" in printed
+    rows = data["rows"]
+    for row in rows:
+        assert set(ROW_KEYS) <= row.keys(), row
+        assert not row.get("errors"), row.get("first_error")
+    run = [r for r in rows if not r["modelled"]]
+    assert [(r["design"], r["ranks"], r["group"]) for r in run] == [
+        ("side channel", 2, 2), ("side channel", 8, 4), ("world store", 4, 4)
+    ]
+    two, eight, store = run
+    # recursive doubling: a round among 2 ranks is 1 message per rank, among 4 it
+    # is 2; two rounds per step; the store sees nothing once the links are made
+    assert two["messages_per_rank"] == 2 and two["messages_per_rank_max"] == 2
+    assert eight["messages_per_rank"] == 4 and eight["stakes"] == 2
+    for r in (two, eight):
+        assert r["server_requests_per_step"] == 0
+        assert r["setup_requests"] > 0
+    # the previous design: every rank talks to the one server, 8 requests a step
+    # (and a few more for the rank that judges a round)
+    assert 8 * 4 <= store["server_requests_per_step"] <= 8 * 4 + 8
+    models = {r["layout"]: r for r in rows if r["modelled"]}
+    big = models["PP=16 x DP=128 x TP=4"]
+    assert big["ranks"] == 16384 and big["stakes"] == 4096
+    assert big["server_requests_per_step"] == 0
+    assert models["FSDP2 only (no TP)"]["messages_per_rank"] == 0
+    assert models["world"]["server_requests_per_step"] >= 8 * 16384
+    assert "side channel ~" in printed and "store req/step" in printed

@@ -101,7 +101,8 @@ def _loss(model):
     return model.loss(tokens, targets)
 
 
-# --- plan divergence: caught by the step agreement, before any backward collective
+# --- plan divergence: caught by the agreement of the ranks at stake, before any
+# --- backward collective
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
@@ -147,21 +148,64 @@ def test_tp_rank_dependent_collective_mode(ctx: DistContext):
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("dp",))
-def test_fsdp2_rank_dependent_policy(ctx: DistContext):
+def test_fsdp2_rank_dependent_policy_is_harmless_and_free(ctx: DistContext):
+    # FSDP2 with remat inside the units: no replay re-issues a collective, so a
+    # rank-dependent decision cannot pair collectives wrongly; nothing is agreed
+    # and the gradients are those of the run without remat.
+    from remat_dist.distributed import step_stats
+
+    before = step_stats()
     policy = {"mlp": "save"} if ctx.rank == 0 else "full"
-    loss = _loss(_model(ctx.mesh, policy, tp=False))
-    _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "layers.0::mlp", "ranks [")
-    assert _backward_ops.last == []  # not even FSDP2's reduce-scatter
-    _clean_step(ctx.mesh, tp=False)
+    tokens, targets = make_batch(CONFIG, 4, seed=5)
+    grads = []
+    for p in (None, policy):
+        model = _model(ctx.mesh, p, tp=False)
+        ops = _backward_ops(model.loss(tokens, targets))
+        assert ops and all(op.startswith(("_reduce_scatter", "_allgather", "reduce_scatter")) for op in ops), ops
+        grads.append({n: p.grad._local_tensor for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    after = step_stats()
+    assert (after.agreements, after.reports, after.messages, after.store_requests) == (
+        before.agreements, before.reports, before.messages, before.store_requests
+    )
 
 
-@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
-def test_2d_fsdp_tp_one_rank_differs(ctx: DistContext):
-    policy = {"attention": "save"} if ctx.rank == 3 else "full"
-    loss = _loss(_model(ctx.mesh, policy))
-    _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "ranks [3]")
-    assert _backward_ops.last == []
-    _clean_step(ctx.mesh)
+def _2d_one_rank_differs_body():
+    ctx = dist_context()
+    remat.set_replay_timeout(2.0)
+    try:
+        policy = {"attention": "save"} if ctx.rank == 3 else "full"
+        loss = _loss(_model(ctx.mesh, policy))
+        t0 = time.perf_counter()
+        try:
+            _backward_ops(loss)
+            outcome = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            outcome = f"{type(exc).__name__}: {exc}"
+        return time.perf_counter() - t0, outcome, _backward_ops.last
+    finally:
+        remat.set_replay_timeout(20.0)
+        dist.destroy_process_group()  # ranks 0 and 1 timed out in a collective
+
+
+def test_2d_fsdp_tp_one_rank_differs():
+    # Only TP group [2, 3] is at stake on the difference: its ranks raise at once,
+    # before any collective. Ranks 0 and 1 agreed among themselves and go on; their
+    # next collective with rank 2 or 3 (FSDP2's reduce-scatter, bounded while
+    # their step has something at stake) times out within the bound.
+    results = run_distributed(
+        _2d_one_rank_differs_body, world_size=4, mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"), timeout=60,
+    )
+    for rank in (2, 3):
+        elapsed, outcome, ops = results[rank]
+        assert outcome.startswith("PlanMismatchError"), outcome
+        assert "ranks [3]" in outcome and "of ranks [2, 3]" in outcome, outcome
+        assert elapsed < GOAL_S and ops == []
+    for rank in (0, 1):
+        elapsed, outcome, ops = results[rank]
+        assert "Timed out" in outcome or "Connection" in outcome, outcome
+        assert elapsed < BOUND_S, outcome
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
@@ -256,10 +300,8 @@ def test_tp_exception_during_replay(ctx: DistContext):
     _clean_step(ctx.mesh)
 
 
-@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("dp",))
-def test_fsdp2_exception_in_a_replay_without_collectives(ctx: DistContext):
-    # The block's replay issues nothing; FSDP2's reduce-scatters follow it. The
-    # failing rank keeps issuing them (its replay is completed with stand-ins).
+def _fsdp2_replay_raises_body(path):
+    ctx = dist_context()
     model = _model(ctx.mesh, "full", tp=False)
 
     def boom():
@@ -268,9 +310,34 @@ def test_fsdp2_exception_in_a_replay_without_collectives(ctx: DistContext):
     if ctx.rank == 0:
         _on_replay(model, 2, boom)
     loss = _loss(model)
-    err = _expect(lambda: _backward_ops(loss), remat.CollectiveReplayError, "ranks [0]", "bad recompute")
-    _same_on_every_rank(str(err))
-    _clean_step(ctx.mesh, tp=False)
+    t0 = time.perf_counter()
+    try:
+        loss.backward()
+        outcome = "no error"
+    except Exception as exc:  # noqa: BLE001 - recorded for the parent
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(f"{path}.{ctx.rank}", "w") as f:
+        f.write(f"{time.perf_counter() - t0:.3f}\n{outcome}")
+    if ctx.rank == 0:
+        os._exit(1)  # what an uncaught error does to a torchrun worker
+
+
+def test_fsdp2_exception_in_a_replay_without_collectives(tmp_path):
+    # Nothing is at stake: the replay's own error is raised at once on the rank
+    # where it happens (as torch's checkpoint does); when that rank exits, its
+    # peer's pending collective fails at once instead of waiting.
+    path = str(tmp_path / "outcome")
+    with pytest.raises(DistributedTestError):
+        run_distributed(
+            _fsdp2_replay_raises_body, path, world_size=2, mesh_shape=(2,),
+            mesh_dim_names=("dp",), timeout=60,
+        )
+    elapsed, outcome = open(f"{path}.0").read().split("\n", 1)
+    assert outcome == "RuntimeError: bad recompute", outcome
+    assert float(elapsed) < GOAL_S
+    elapsed, outcome = open(f"{path}.1").read().split("\n", 1)
+    assert "Connection" in outcome or "closed" in outcome, outcome
+    assert float(elapsed) < BOUND_S, outcome
 
 
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
@@ -283,34 +350,58 @@ def test_2d_exception_during_replay_on_one_rank(ctx: DistContext):
     if ctx.rank == 2:
         _on_replay(model, 0, boom)
     loss = _loss(model)
-    err = _expect(lambda: _backward_ops(loss), remat.CollectiveReplayError, "ranks [2]", "rank 2 only")
-    _same_on_every_rank(str(err))
+    if ctx.rank in (2, 3):
+        # the stake of the failed replay: its ranks raise, with the same text
+        err = _expect(lambda: _backward_ops(loss), remat.CollectiveReplayError, "ranks [2]", "rank 2 only")
+        text = str(err)
+    else:
+        # not at stake: the backward completes (rank 2 finished its own with
+        # stand-ins, so every collective pairs); the job stops when ranks 2 and 3
+        # raise out of the step
+        _backward_ops(loss)
+        text = None
+    texts = [None] * 4
+    dist.all_gather_object(texts, text)
+    assert texts[2] == texts[3] and texts[0] is None and texts[1] is None
     _clean_step(ctx.mesh)
 
 
 # --- plan checks
 
 
-@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
-def test_plan_check_on_one_rank_only(ctx: DistContext):
-    # An explicit check only moves the agreement earlier: a rank that does not
-    # call it meets the other at its backward's start.
-    for _ in range(2):
-        model = _model(ctx.mesh, "full")
-        loss = _loss(model)
+@distributed(world_size=2)
+def test_plan_check_is_a_collective_call(ctx: DistContext):
+    # check_plan_consistency() is a round among the group's ranks: called on one
+    # rank only, that rank raises after the bound, naming the one that did not
+    # come; the late rank reads the abort at once when it comes; then both pass.
+    remat.set_replay_timeout(1.0)
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        remat.checkpoint(region_name="chk_blk")(lambda t: t.sin().cos())(x)
         if ctx.rank == 0:
-            remat.check_plan_consistency()
-        loss.backward()
-    _clean_step(ctx.mesh)
+            err = _expect(remat.check_plan_consistency, remat.PlanMismatchError, bound=4.0)
+            assert "ranks [1] of [0, 1] did not reach check_plan_consistency()" in str(err)
+        dist.barrier()
+        if ctx.rank == 1:
+            err = _expect(remat.check_plan_consistency, remat.PlanMismatchError, bound=1.0)
+            assert "rank 0 gave up waiting first" in str(err), str(err)
+        remat.check_plan_consistency()
+    finally:
+        remat.set_replay_timeout(20.0)
 
 
-@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
-def test_plan_check_on_one_rank_with_a_mismatch(ctx: DistContext):
-    policy = {"mlp": "save"} if ctx.rank == 1 else "full"
-    loss = _loss(_model(ctx.mesh, policy))
-    run = remat.check_plan_consistency if ctx.rank == 0 else lambda: _backward_ops(loss)
-    _expect(run, remat.PlanMismatchError, "layers.0::mlp")
-    _clean_step(ctx.mesh)
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
+def test_plan_check_honours_the_group(ctx: DistContext):
+    # each TP pair compares its own plans; only the pair that differs raises
+    tp_group = ctx.mesh["tp"].get_group()
+    x = torch.randn(4, 8, requires_grad=True)
+    name = "grp_b" if ctx.rank == 3 else "grp_a"
+    remat.checkpoint(region_name=name)(lambda t: t.sin().cos())(x)
+    if ctx.rank in (2, 3):
+        err = _expect(lambda: remat.check_plan_consistency(tp_group), remat.PlanMismatchError, "grp_b", "ranks [3]")
+        assert "check_plan_consistency() of ranks [2, 3]" in str(err)
+    else:
+        remat.check_plan_consistency(tp_group)
 
 
 @distributed(world_size=2)
@@ -392,24 +483,30 @@ def test_dead_rank_bounded(tmp_path):
 # --- a rank that misses a round, and the wording of each bound
 
 
+def _with_all_reduce(t):
+    """A block whose replay re-issues an all-reduce on the world: at stake."""
+    buf = torch.ones(2)
+    dist.all_reduce(buf)
+    return t.sin().cos() * buf[0]
+
+
 @distributed(world_size=2)
 def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
     remat.set_replay_timeout(1.0)
     try:
         x = torch.randn(4, 8, requires_grad=True)
-        y = remat.checkpoint(region_name="late_blk")(lambda t: t.sin().cos())(x)
+        y = remat.checkpoint(region_name="late_blk")(_with_all_reduce)(x)
         if ctx.rank == 0:
             err = _expect(lambda: y.sum().backward(), remat.PlanMismatchError, bound=4.5)
-            assert "ranks [1] of the step group did not reach the plan agreement (backward) within 1 s" in str(err)
+            assert "ranks [1] of [0, 1] did not reach the plan agreement of ranks [0, 1] within 1 s" in str(err), str(err)
         else:
-            time.sleep(4.5)  # busy elsewhere (well past the harness FileStore's
-            # coarse 2 s wait granularity); then it comes, reads the abort, raises
-            err = _expect(remat.check_plan_consistency, remat.PlanMismatchError, bound=1.0)
-            assert "rank 0 gave up waiting first" in str(err)
+            time.sleep(2.5)  # busy elsewhere; then it comes, reads the abort, raises
+            err = _expect(lambda: y.sum().backward(), remat.PlanMismatchError, bound=1.0)
+            assert "rank 0 gave up waiting first" in str(err), str(err)
     finally:
         remat.set_replay_timeout(20.0)
     x = torch.randn(4, 8, requires_grad=True)
-    remat.checkpoint(region_name="after_blk")(lambda t: t.sin().cos())(x).sum().backward()
+    remat.checkpoint(region_name="after_blk")(_with_all_reduce)(x).sum().backward()
 
 
 @distributed(world_size=2)
@@ -422,12 +519,12 @@ def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
         x = torch.randn(4, 8, requires_grad=True)
         if ctx.rank == 1:
             x.register_hook(lambda g: (_ for _ in ()).throw(ValueError("hook failed")))
-        y = remat.checkpoint(region_name="hook_blk")(lambda t: t.sin().cos())(x)
+        y = remat.checkpoint(region_name="hook_blk")(_with_all_reduce)(x)
         if ctx.rank == 0:
             err = _expect(lambda: y.sum().backward(), remat.CollectiveReplayError, bound=5.0)
             text = str(err)
             assert "rank 1: backward raised before the end of the step" in text or (
-                "did not reach the end of backward" in text
+                "did not reach the end-of-backward report" in text
             ), text
         else:
             _expect(lambda: y.sum().backward(), ValueError, "hook failed")
@@ -435,24 +532,29 @@ def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
         remat.set_replay_timeout(20.0)
     for _ in range(2):
         x = torch.randn(4, 8, requires_grad=True)
-        remat.checkpoint(region_name="next_blk")(lambda t: t.sin().cos())(x).sum().backward()
+        remat.checkpoint(region_name="next_blk")(_with_all_reduce)(x).sum().backward()
 
 
 @distributed(world_size=2)
-def test_verify_plan_is_deprecated_and_costs_nothing_in_forward(ctx: DistContext):
-    from remat_dist.distributed._step import current_step
+def test_agreement_costs_nothing_in_forward(ctx: DistContext):
+    from remat_dist.distributed import step_stats
 
     x = torch.randn(4, 8, requires_grad=True)
-    before = current_step().round.seq
-    if ctx.rank == 0:  # a plan check asked for on one rank only: harmless
-        with pytest.warns(DeprecationWarning, match="verify_plan"):
-            run = remat.checkpoint(region_name="vp_blk", verify_plan=True)
-    else:
-        run = remat.checkpoint(region_name="vp_blk")
-    y = run(lambda t: t.sin().cos())(x)
-    assert current_step().round.seq == before  # no store round in forward
+    before = step_stats()
+    y = remat.checkpoint(region_name="cost_blk")(_with_all_reduce)(x)
+    assert step_stats() == before  # no round, no message in forward
     y.sum().backward()
-    assert current_step().round.seq == before + 2  # the step's agreement and report
+    after = step_stats()
+    assert (after.agreements - before.agreements, after.reports - before.reports) == (1, 1)
+    # a 2-rank round is one message each way; the store only saw the channel's
+    # set-up (the first step) or nothing
+    assert after.messages - before.messages == 2
+    x = torch.randn(4, 8, requires_grad=True)
+    y = remat.checkpoint(region_name="cost_blk")(_with_all_reduce)(x)
+    y.sum().backward()
+    again = step_stats()
+    assert again.store_requests == after.store_requests
+    assert again.messages - after.messages == 2
 
 
 # --- logging: quiet by default, rank-prefixed, one line per agreement
@@ -474,9 +576,9 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
     logger.setLevel(logging.INFO)
     try:
         x = torch.randn(4, 8, requires_grad=True)
-        remat.checkpoint(region_name="log_blk")(lambda t: t.sin().cos())(x).sum().backward()
+        remat.checkpoint(region_name="log_blk")(_with_all_reduce)(x).sum().backward()
         name = "log_a" if ctx.rank == 0 else "log_b"
-        y = remat.checkpoint(region_name=name)(lambda t: t.sin().cos())(x)
+        y = remat.checkpoint(region_name=name)(_with_all_reduce)(x)
         with pytest.raises(remat.PlanMismatchError):
             y.sum().backward()
     finally:
@@ -484,7 +586,7 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
         logger.setLevel(level)
     prefix = f"[rank {ctx.rank}] "
     assert all(text.startswith(prefix) for _, text in lines), lines
-    agreed = [t for lv, t in lines if lv == logging.INFO and "plan agreed at backward" in t]
+    agreed = [t for lv, t in lines if lv == logging.INFO and "checkpoint(s) agreed in" in t]
     assert len(agreed) == 1 and " ms" in agreed[0], lines
     errors = [t for lv, t in lines if lv == logging.ERROR]
     assert len(errors) == 1 and "log_b" in errors[0], lines

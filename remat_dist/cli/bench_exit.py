@@ -1,0 +1,164 @@
+"""``python -m remat_dist bench --exits N``: how jobs end. Runs an ordinary user
+script N times on 2 local ranks and counts the runs in which a rank did not exit
+cleanly.
+
+The script (``python -m remat_dist.cli.bench_exit --worker``) is what a user
+writes: ``init_process_group`` from the environment, the reference GPT with
+``apply_remat`` and tensor parallelism (so every step runs an agreement and a
+report), a few optimizer steps, ``destroy_process_group()``, and it falls off the
+end: no final barrier, no ``os._exit``. The ranks are plain processes with
+``MASTER_ADDR``/``MASTER_PORT``, so rank 0 hosts the store (as under
+``mp.spawn``; torchrun's agent hosts it elsewhere): the case where a rank that
+finishes first takes the store away from one still in its last backward.
+
+Per run it records each rank's exit code and whether its stderr holds
+"terminate called" (a C++ abort at exit) or a ``DistNetworkError`` / connection
+error raised out of ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["main", "run_exits"]
+
+_MARKERS = {
+    "terminate": "terminate called",
+    "network": "DistNetworkError",
+    "connection": "Connection reset",
+    "broken_pipe": "Broken pipe",
+}
+
+
+def _worker(layout: str, steps: int) -> None:
+    """One rank of the ordinary script."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import remat_dist as remat
+    from remat_dist.models import GPT, GPTConfig, make_batch
+    from remat_dist.models.gpt import Block
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    config = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2)
+    model = GPT(config)
+    remat.apply_remat(model, blocks=Block, policy="full")
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        remat.shard_model(model, mesh, blocks=Block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seed = dist.get_rank() if layout == "fsdp" else 0
+    for step in range(steps):
+        tokens, targets = make_batch(config, 4, seed=100 * step + seed)
+        model.loss(tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_run(layout: str, steps: int, timeout: float) -> dict[str, Any]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "remat_dist.cli.bench_exit", "--worker",
+             "--layout", layout, "--steps", str(steps)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    ranks = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            err += "\n(timed out)"
+        ranks.append({
+            "returncode": p.returncode,
+            **{k: m in err for k, m in _MARKERS.items()},
+            "stderr_tail": err[-1500:] if p.returncode else "",
+        })
+    return {"ranks": ranks, "ok": all(r["returncode"] == 0 for r in ranks)}
+
+
+def run_exits(runs: int, *, layout: str = "tp", steps: int = 3, parallel: int = 2,
+              timeout: float = 120.0) -> dict[str, Any]:
+    """``runs`` two-rank runs of the script; counts per failure kind."""
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(parallel) as pool:
+        results = list(pool.map(lambda _: _one_run(layout, steps, timeout), range(runs)))
+    exits = [r for res in results for r in res["ranks"]]
+    return {
+        "layout": layout,
+        "runs": runs,
+        "worker_exits": len(exits),
+        "failed_runs": sum(not res["ok"] for res in results),
+        "nonzero_exits": sum(r["returncode"] != 0 for r in exits),
+        **{f"{k}_exits": sum(r[k] for r in exits) for k in _MARKERS},
+        "seconds": time.monotonic() - t0,
+        "failures": [res for res in results if not res["ok"]][:5],
+    }
+
+
+def format_exits(result: dict[str, Any]) -> str:
+    keys = ["runs", "worker_exits", "failed_runs", "nonzero_exits",
+            *(f"{k}_exits" for k in _MARKERS)]
+    head = f"{'layout':<7}" + "".join(f" {k:>16}" for k in keys)
+    row = f"{result['layout']:<7}" + "".join(f" {result[k]:>16}" for k in keys)
+    return f"{head}\n{row}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m remat_dist bench --exits",
+        description="Run an ordinary 2-rank script N times; count unclean exits.",
+    )
+    parser.add_argument("runs", type=int, nargs="?", default=50)
+    parser.add_argument("--layout", choices=("tp", "fsdp"), default="tp")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.layout, args.steps)
+        return 0
+    result = run_exits(args.runs, layout=args.layout, steps=args.steps, parallel=args.parallel)
+    print(format_exits(result))
+    for failure in result["failures"]:
+        for rank, r in enumerate(failure["ranks"]):
+            if r["returncode"]:
+                print(f"--- rank {rank} exit {r['returncode']}:\n{r['stderr_tail']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["failed_runs"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

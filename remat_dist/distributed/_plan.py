@@ -1,0 +1,171 @@
+"""What ranks compare in an agreement: the plan of the checkpoints run since the last
+one, as a short digest, and, when digests differ, the explanation every rank prints.
+
+A checkpoint's plan entry is its name, its collective mode and each region's
+decision and mode; next to it go the fingerprints of the collectives its forward
+issued, per process group (``CollectiveLedger.group_fingerprints``: rank-invariant,
+compared among that group's ranks only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+__all__ = ["HEAD_ENTRIES", "PlanDigest", "explain", "fix_text"]
+
+HEAD_ENTRIES = 64
+"""Plan entries each rank keeps (and sends) to explain a mismatch."""
+
+
+class PlanDigest:
+    """A running digest of plan entries (what one agreement compares)."""
+
+    __slots__ = ("_hasher", "_groups", "count", "head")
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self._groups: dict[str, Any] = {}
+        self.count = 0
+        self.head: list[Any] = []
+
+    def add(self, entry: list[Any], group_fps: dict[str, str]) -> None:
+        self._hasher.update(json.dumps(entry, separators=(",", ":")).encode())
+        for key, fp in group_fps.items():
+            h = self._groups.get(key)
+            if h is None:
+                h = self._groups[key] = hashlib.sha256()
+            h.update(f"{self.count}:{fp}\n".encode())
+        self.count += 1
+        if len(self.head) < HEAD_ENTRIES:
+            self.head.append([*entry, group_fps])
+
+    def value(self) -> str:
+        """The short string every rank must have equal."""
+        return json.dumps(
+            {
+                "p": f"{self._hasher.hexdigest()[:16]}:{self.count}",
+                "g": {k: h.hexdigest()[:16] for k, h in sorted(self._groups.items())},
+            },
+            separators=(",", ":"),
+        )
+
+    def words(self) -> list[int]:
+        """The value as two 62-bit integers (what a side-channel round compares)."""
+        d = hashlib.sha256(self.value().encode()).digest()
+        mask = (1 << 62) - 1
+        return [int.from_bytes(d[:8], "big") & mask, int.from_bytes(d[8:16], "big") & mask]
+
+    def payload(self) -> bytes:
+        """What this rank sends to explain a mismatch."""
+        return json.dumps({"v": self.value(), "head": self.head}, separators=(",", ":")).encode()
+
+
+def fix_text() -> str:
+    return (
+        "Every rank of a process group must run the same checkpoints in the same "
+        "order with the same save/recompute decisions and collective modes, and "
+        "issue the same collectives inside them (a decision that depends on the rank "
+        "or on the data makes replays issue different collectives). Fix: derive "
+        "region(..., recompute=...), collectives= and the checkpointed blocks from "
+        "configuration shared by all ranks."
+    )
+
+
+def plans_differ(values: dict[int, str]) -> bool:
+    """Judge of a store round over :meth:`PlanDigest.value` strings."""
+    plans = {json.loads(v)["p"] for v in values.values()}
+    if len(plans) > 1:
+        return True
+    return bool(_group_mismatches({r: json.loads(v)["g"] for r, v in values.items()}))
+
+
+def _group_mismatches(groups: dict[int, dict[str, str]]) -> list[str]:
+    """Per process group: its ranks must hold equal fingerprints."""
+    members: dict[str, dict[int, str]] = {}
+    for r, g in groups.items():
+        for key, fp in g.items():
+            members.setdefault(key, {})[r] = fp
+    out = []
+    for key, fps in sorted(members.items()):
+        if len(fps) != len(groups) or len(set(fps.values())) > 1:
+            out.append(key)
+    return out
+
+
+def _flatten(plan: list[Any]) -> list[tuple[str, str]]:
+    out = []
+    for name, mode, regions, _ in plan:
+        out.append((name, f"checkpoint, collectives={mode}"))
+        out.extend(
+            (f"{name}::{region}", f"{decision}, collectives={rmode}")
+            for region, decision, rmode in regions
+        )
+    return out
+
+
+def explain(plans: dict[int, dict[str, Any]], what: str) -> str:
+    """The mismatch message from every rank's :meth:`PlanDigest.payload` (decoded);
+    ``what`` names the agreement (``"the plan agreement of ranks [0, 1]"``)."""
+    flat = {r: _flatten(p["head"]) for r, p in plans.items()}
+    groups: dict[str, list[int]] = {}
+    for r, f in sorted(flat.items()):
+        groups.setdefault(json.dumps(f), []).append(r)
+    if len(groups) > 1:
+        ref_key = max(groups, key=lambda k: (len(groups[k]), -groups[k][0]))
+        ref_ranks, ref = groups[ref_key], json.loads(ref_key)
+        differ = sorted(r for k, rs in groups.items() if k != ref_key for r in rs)
+        lines = []
+        for r in differ:
+            mine = flat[r]
+            i = next(
+                (i for i, (a, b) in enumerate(zip(mine, ref)) if tuple(a) != tuple(b)),
+                min(len(mine), len(ref)),
+            )
+            theirs = f"{mine[i][0]} ({mine[i][1]})" if i < len(mine) else "(nothing more)"
+            expected = f"{ref[i][0]} ({ref[i][1]})" if i < len(ref) else "(nothing more)"
+            lines.append(f"  rank {r} at entry {i}: {theirs}   ranks {ref_ranks}: {expected}")
+        return (
+            f"{what} failed: ranks {differ} ran another checkpoint/region plan than "
+            f"ranks {ref_ranks}; first difference:\n" + "\n".join(lines) + "\n" + fix_text()
+        )
+    heads = {r: p["head"] for r, p in plans.items()}
+    keys = _group_mismatches({r: json.loads(p["v"])["g"] for r, p in plans.items()})
+    lines = []
+    for key in keys:
+        by_ckpt: dict[int, dict[int, str]] = {}
+        for r, head in heads.items():
+            for i, entry in enumerate(head):
+                by_ckpt.setdefault(i, {})[r] = entry[3].get(key, "nothing")
+        first = next(
+            (i for i in sorted(by_ckpt) if len(set(by_ckpt[i].values())) > 1), None
+        )
+        if first is None:
+            lines.append(f"  {_group_text(key)}: the ranks issued other collectives on it")
+            continue
+        name = next(iter(heads.values()))[first][0]
+        fps = by_ckpt[first]
+        detail = "; ".join(
+            f"ranks {sorted(r for r in fps if fps[r] == v)}: {_fp_text(v)}"
+            for v in sorted(set(fps.values()))
+        )
+        lines.append(f"  checkpoint '{name}', {_group_text(key)}: {detail}")
+    if not lines:
+        lines.append("  (the plans differ past the entries kept to explain it)")
+    return (
+        f"{what} failed: the ranks of a process group recorded other collectives in "
+        "a checkpoint's forward:\n" + "\n".join(lines) + "\n" + fix_text()
+    )
+
+
+def _group_text(key: str) -> str:
+    name, _, size = key.rpartition("/")
+    return f"process group '{name}' ({size} ranks)"
+
+
+def _fp_text(v: str) -> str:
+    if v == "nothing":
+        return "no collective"
+    fp, _, count = v.partition(":")
+    return f"{count} collective(s), fingerprint {fp}"
