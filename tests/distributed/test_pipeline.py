@@ -67,8 +67,9 @@ def _stages(stage_ids, n_stages, *, remat_policy, tp_mesh=None, dp_mesh=None):
 
             for block in module.layers.values():
                 parallelize_module(block, tp_mesh, block_tp_plan())
-        if remat_policy is not None:
-            remat.apply_remat(module, blocks=Block, policy=remat_policy)
+        policy = remat_policy(s) if callable(remat_policy) else remat_policy
+        if policy is not None:
+            remat.apply_remat(module, blocks=Block, policy=policy)
         if dp_mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -122,10 +123,10 @@ def _train(ctx, schedule_name, *, remat_policy, pp_group, pp_rank, pp_size,
     return losses_out, grads
 
 
-def _assert_bitwise(ctx, schedule_name, **kw):
+def _assert_bitwise(ctx, schedule_name, policy="full", **kw):
     before = step_stats()
     ref_losses, ref_grads = _train(ctx, schedule_name, remat_policy=None, **kw)
-    losses, grads = _train(ctx, schedule_name, remat_policy="full", **kw)
+    losses, grads = _train(ctx, schedule_name, remat_policy=policy, **kw)
     after = step_stats()
     assert len(losses) == len(ref_losses)
     for a, b in zip(losses, ref_losses):
@@ -157,13 +158,19 @@ def test_interleaved_1f1b_bitwise(ctx: DistContext):
     )
 
 
+def _per_stage(stage: int):
+    """Each stage its own plan: stage 0 recomputes everything, the others keep the
+    attention (a save region around a TP all-reduce)."""
+    return "full" if stage == 0 else {"attention": "save"}
+
+
 @pytest.mark.parametrize("schedule_name", ["ScheduleGPipe", "Schedule1F1B"])
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"))
 def test_pp_x_tp_bitwise_and_stages_agree_apart(ctx: DistContext, schedule_name):
     pp, tp = ctx.mesh["pp"], ctx.mesh["tp"]
     before, after = _assert_bitwise(
-        ctx, schedule_name, pp_group=pp.get_group(), pp_rank=pp.get_local_rank(),
-        pp_size=2, tp_mesh=tp,
+        ctx, schedule_name, policy=_per_stage, pp_group=pp.get_group(),
+        pp_rank=pp.get_local_rank(), pp_size=2, tp_mesh=tp,
     )
     # each micro-batch's backward agrees once, among this stage's TP ranks only
     from remat_dist.distributed._step import current_step
@@ -180,6 +187,15 @@ def test_pp_x_tp_bitwise_and_stages_agree_apart(ctx: DistContext, schedule_name)
     # one side channel, made once; a 2-rank round is one message each way
     assert d["channels"] == 1, d
     assert d["messages"] == d["agreements"] + d["reports"], d
+
+
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"))
+def test_interleaved_1f1b_pp_x_tp_bitwise(ctx: DistContext):
+    pp, tp = ctx.mesh["pp"], ctx.mesh["tp"]
+    _assert_bitwise(
+        ctx, "ScheduleInterleaved1F1B", policy=_per_stage, pp_group=pp.get_group(),
+        pp_rank=pp.get_local_rank(), pp_size=2, tp_mesh=tp, virtual=2,
+    )
 
 
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "dp"))
