@@ -41,6 +41,7 @@ from remat_dist.errors import (
     PlanMismatchError,
     RematError,
     RematUsageError,
+    ReplayMismatchError,
 )
 from remat_dist.fsdp import (
     MemoryBudget,
@@ -52,6 +53,8 @@ from remat_dist.fsdp import (
     remove_remat,
     shard_model,
 )
+from remat_dist.fsdp._adapters import register_model_adapter as _register_model_adapter
+from remat_dist.integrations.transformers import ADAPTER as _transformers_adapter
 from remat_dist.report import (
     CrossRankReport,
     attach_oom_observer,
@@ -69,6 +72,11 @@ from remat_dist.report import (
     saved_tensors_summary,
     trace_scope,
 )
+
+# apply_remat knows transformers models (their decoder layers, use_cache off while
+# recomputing) through the fsdp layer's model-adapter seam; the adapter imports
+# transformers lazily, so this works without it installed.
+_register_model_adapter(_transformers_adapter)
 
 # The API contract lists the cross-rank report under remat_dist.distributed too
 # (docs/api_contract.md). It is built
@@ -117,6 +125,7 @@ __all__ = [
     "RecomputeStateHook",
     "RematError",
     "RematUsageError",
+    "ReplayMismatchError",
     "SavedTensorInfo",
     "SavedTensorKind",
     "checkpoint",

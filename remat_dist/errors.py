@@ -7,12 +7,15 @@ one exists, and the fix.
 
 from __future__ import annotations
 
+from torch.utils.checkpoint import CheckpointError
+
 __all__ = [
     "RematError",
     "RematUsageError",
     "PlaceholderAccessError",
     "CollectiveReplayError",
     "PlanMismatchError",
+    "ReplayMismatchError",
 ]
 
 
@@ -43,3 +46,17 @@ class CollectiveReplayError(RematError):
 
 class PlanMismatchError(RematError):
     """Ranks disagree on the sequence of checkpoints/regions or their decisions."""
+
+
+class ReplayMismatchError(RematError, CheckpointError):
+    """A checkpoint's replay did not reproduce its forward: a tensor saved for
+    backward has another shape, dtype or device on replay, or fewer were saved.
+
+    The message names the checkpoint, the region, the tensor (its position, the op
+    that made it on replay and the line of model code that saved it), the forward's
+    and the replay's metadata, and the likely causes with their fixes (a cache appended to
+    on every call, a counter or flag: ``use_cache=False``, ``recompute_state_hooks``,
+    ``remat_dist.is_recomputing()``). Also a ``torch.utils.checkpoint``
+    ``CheckpointError``, which torch raises for the same case after the replay,
+    so code written to catch that keeps catching it.
+    """

@@ -94,6 +94,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "PlaceholderAccessError",
             "CollectiveReplayError",
             "PlanMismatchError",
+            "ReplayMismatchError",
         ],
     ),
 ]

@@ -24,7 +24,10 @@ ALLOWED = {
     "distributed": {"core"},
     "report": {"core", "distributed"},
     "fsdp": {"core", "distributed", "report"},
-    "cli": {"core", "distributed", "report", "fsdp", "testing", "models", "(root)"},
+    "cli": {
+        "core", "distributed", "report", "fsdp", "integrations", "testing", "models",
+        "(root)",
+    },
     "testing": {"core", "distributed", "report", "fsdp", "models"},
     "models": {"core", "distributed", "report", "fsdp"},
     "integrations": {"core", "distributed", "report", "fsdp"},

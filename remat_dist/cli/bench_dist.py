@@ -164,7 +164,10 @@ def _ledger_costs(n: int) -> dict[str, float]:
     logic = _logic_costs(t)
     step = current_step()
     ranks = tuple(range(dist.get_world_size()))
-    channel = SideChannel(ranks, dist.get_rank(), step.store, "remat_dist/bench/ch", 60.0)
+    key = f"remat_dist/bench/ch/{step.stats.channels}/{time.time_ns() // 10**9}"
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)  # one new key per measurement, the same everywhere
+    channel = SideChannel(ranks, dist.get_rank(), step.store, keys[0], 60.0)
     rounds = []
     req0, msg0 = channel.store_requests, channel.messages
     for _ in range(200):  # one step's rounds: the plan agreement and the report

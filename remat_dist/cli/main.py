@@ -9,6 +9,9 @@ USAGE = """usage: python -m remat_dist {bench,report} [options]
   bench    memory and time of remat_dist vs torch.utils.checkpoint and no
            checkpointing, in one run (prints a table; --json PATH writes it);
            bench --compile: the same for blocks compiled with torch.compile
+           bench --transformers: transformers models per architecture family (no
+           AC, transformers' own checkpointing, remat full / attention kept /
+           MemoryBudget, torch.compile's activation_memory_budget)
   report   run the reference model and print the cross-rank saved-tensor report
 """
 
@@ -19,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command == "bench" and "--transformers" in rest:
+        from remat_dist.cli.bench_transformers import main as transformers_main
+
+        return transformers_main([a for a in rest if a != "--transformers"])
     if command == "bench" and "--compile" in rest:
         from remat_dist.cli.bench_compile import main as compile_main
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat_dist.core import _compile, _record, _standin
+from remat_dist.core import _compile, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
     as_hooks,
     entry_hooks,
@@ -234,9 +234,7 @@ def _run_checkpoint(
             anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
             if not record.replaying:
                 anchors.append(anchor)
-        if record.pack_specs is None:
-            return call(*a)
-        with _standin.tracking(record):
+        with _standin.tracking(record):  # notes / checks every saved tensor
             return call(*a)
 
     with user_hooks if user_hooks is not None else nullcontext():
@@ -324,6 +322,7 @@ class _Phase:
         self.replay = replay
         self._tokens: list[Any] = []
         self._outside: tuple[Any, ...] = ()
+        self._forward_done = False
 
     def __enter__(self) -> None:
         record = self.record
@@ -332,6 +331,8 @@ class _Phase:
             record.phase = CheckpointPhase.REPLAYING
         try:
             if self.replay:
+                # a backward inside the forward replays a forward still running
+                self._forward_done = record.phase is not CheckpointPhase.FORWARD
                 record._cursor = 0
                 record.replay_count += 1
                 # Like torch's fork_rng: replay must not disturb the state that the
@@ -354,17 +355,24 @@ class _Phase:
         record = self.record
         frame_token, inputs_token = self._tokens.pop()
         absorbed = False
+        raising: BaseException | None = None
         try:
             if self.replay:
                 if exc_type is torch_checkpoint._StopRecomputationError:
                     phase, exc = CheckpointPhase.STOPPED_EARLY, None
                 elif exc is None:
                     phase = CheckpointPhase.REPLAYED
+                    if self._forward_done:  # saved fewer tensors than forward?
+                        raising = exc = _replay_check.short_replay(record)
+                        if raising is not None:
+                            phase = CheckpointPhase.REPLAY_FAILED
                 else:
                     phase = CheckpointPhase.REPLAY_FAILED
                     if record.pack_specs is not None and _record.absorbs(record, exc):
                         _standin.complete_with_stand_ins(record)
                         exc, absorbed = None, True
+                    else:
+                        _replay_check.annotate(record, exc)
                 _restore(record, self._outside, "replay end")  # still recomputing
                 self._outside = ()
                 record.phase = phase
@@ -381,5 +389,7 @@ class _Phase:
         finally:
             inputs_of_var.reset(inputs_token)
             frame_var.reset(frame_token)
+        if raising is not None:
+            raise raising
         return absorbed
 

@@ -145,8 +145,10 @@ class CheckpointRecord:
         pack_specs: None, or (set to a list by an observer on forward start) the
             spec of every tensor torch's checkpoint saved, in order; lets the core
             complete a failed replay with stand-ins (``_standin``).
-        replay_packs: saved tensors the current replay has recomputed so far
-            (counted while ``pack_specs`` is tracked).
+        replay_packs: saved tensors the current replay has recomputed so far.
+        saved_meta: shape, dtype and device of every tensor torch's
+            checkpoint saved on forward, in order; each replay is checked against
+            it (``_replay_check``).
     """
 
     __slots__ = (
@@ -161,6 +163,7 @@ class CheckpointRecord:
         "replay_count",
         "pack_specs",
         "replay_packs",
+        "saved_meta",
         "_cursor",
         "_stack",
         "_names",
@@ -185,6 +188,7 @@ class CheckpointRecord:
         self.replay_count = 0
         self.pack_specs: list[Any] | None = None
         self.replay_packs = 0
+        self.saved_meta: list[tuple[Any, ...]] = []
         self._cursor = 0
         self._stack: list[RegionRecord] = []
         self._names: set[str] = set()

@@ -10,8 +10,9 @@ collectives as its peers until all of them can raise together; an observer that
 absorbs an error must make sure the step fails later.
 
 The stand-ins need each saved tensor's metadata, recorded on forward by a pack hook
-pushed just above torch's (only for records whose ``pack_specs`` an observer set
-to a list), which also counts the tensors a replay recomputes.
+pushed just above torch's (the spec only for records whose ``pack_specs`` an
+observer set to a list), which also counts the tensors a replay recomputes and
+checks each against the forward's (``_replay_check``, for every checkpoint).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+
+from remat_dist.core._replay_check import check_replayed, saved_meta
 
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
@@ -63,25 +66,36 @@ def is_tracker(pack: Any) -> bool:
 
 @contextlib.contextmanager
 def tracking(record: CheckpointRecord) -> Iterator[None]:
-    """Inside torch's checkpoint hook: on forward, record each saved tensor's spec;
-    on replay, count the saved tensors recomputed so far."""
+    """Inside torch's checkpoint hook: on forward, note each saved tensor's metadata
+    (and its spec, where an observer tracks ``pack_specs``); on replay, check each
+    saved tensor against the forward's (``_replay_check``) and count them."""
     below = _top_hooks(False)
     if below is None:
         yield
         return
     pack_below, unpack_below = below
     specs = record.pack_specs
-    assert specs is not None
+    meta = record.saved_meta
     if record.replaying:
         record.replay_packs = 0
 
         def pack(t: torch.Tensor) -> Any:
-            record.replay_packs += 1
+            index = record.replay_packs
+            if index < len(meta):  # more than forward: torch's own error says so
+                check_replayed(record, index, t)
+            record.replay_packs = index + 1
+            return pack_below(t)
+
+    elif specs is None:
+
+        def pack(t: torch.Tensor) -> Any:
+            meta.append(saved_meta(t))
             return pack_below(t)
 
     else:
 
         def pack(t: torch.Tensor) -> Any:
+            meta.append(saved_meta(t))
             specs.append(pack_spec(t))
             return pack_below(t)
 

@@ -15,7 +15,8 @@ holds a link only to its partners (at most ``log2(n) + 1``), made once through t
 c10d store (the only store traffic of a healthy channel) and kept.
 
 Failure: every wait is bounded by the round's deadline. A rank that waits longer
-than ``SLOW_S`` posts its arrival to the store, and watches for an abort there;
+than ``SLOW_S`` (an eighth of the bound, for bounds over 2 s) posts its arrival
+to the store, and watches for an abort there;
 at the deadline it writes the abort (the round, itself, the ranks that never
 posted an arrival) and closes its links. A closed link reaches the partners at
 once, who read the abort and close theirs, so a round that fails on one rank fails
@@ -42,7 +43,10 @@ __all__ = ["ChannelFailure", "SideChannel", "advertised_host"]
 log = get_logger(__name__)
 
 SLOW_S = 0.25
-"""A wait longer than this posts this rank's arrival to the store (diagnostics)."""
+"""The shortest wait after which a rank posts its arrival to the store and looks
+there for an abort (diagnostics); a round's bound over 2 s waits an eighth of it
+(a healthy group arrives within milliseconds; a loaded machine should not turn
+every round into store traffic)."""
 
 HOST_ENV = "REMAT_DIST_CHANNEL_HOST"
 """The address this rank's side-channel links listen on (default: the address of
@@ -416,14 +420,16 @@ class SideChannel:
 
 class _Wait:
     """Reads bounded by a round's deadline, with the slow path: post the arrival
-    after ``SLOW_S``, then look for an abort every ``SLOW_S`` until the deadline."""
+    after ``every`` seconds (``SLOW_S``, or an eighth of a long bound), then look
+    for an abort as often until the deadline."""
 
     def __init__(self, channel: SideChannel, seq: int, deadline: float, timeout: float):
         self.channel = channel
         self.seq = seq
         self.deadline = deadline
         self.timeout = timeout
-        self.slow_at = time.monotonic() + min(SLOW_S, timeout / 4)
+        self.every = min(timeout / 4, max(SLOW_S, timeout / 8))
+        self.slow_at = time.monotonic() + self.every
         self.posted = False
 
     def read(self, conn: socket.socket, n: int, j: int) -> bytes:
@@ -452,7 +458,7 @@ class _Wait:
             ch.post_arrival(self.seq)
             self.posted = True
         ch._raise_if_aborted(self.seq)
-        self.slow_at = time.monotonic() + SLOW_S
+        self.slow_at = time.monotonic() + self.every
 
 
 _KIND = {_REDUCE: "reduce", _GATHER: "gather"}

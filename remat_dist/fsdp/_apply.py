@@ -39,6 +39,7 @@ the checks that refuse a layout before anything changes, and the public calls.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -53,6 +54,7 @@ from remat_dist._logging import get_logger
 from remat_dist.core import CheckpointRecord, RecomputeStateHook, checkpoint
 from remat_dist.distributed import mark_step
 from remat_dist.errors import RematUsageError
+from remat_dist.fsdp._adapters import adapter_for
 from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
 from remat_dist.fsdp._budget import MemoryBudget, attach_budget, detach_budget
 from remat_dist.fsdp._patch import (
@@ -76,6 +78,9 @@ __all__ = [
 
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
+
+PREPARED_ATTR = "_remat_dist_prepared"
+"""On the model: the calls that undo what model adapters prepared (``_adapters``)."""
 
 log = get_logger(__name__)
 
@@ -150,7 +155,7 @@ def check_no_fsdp_inside(
 def apply_remat(
     model: nn.Module,
     *,
-    blocks: BlockSelector,
+    blocks: BlockSelector | None = None,
     policy: RematPolicy = "full",
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     collectives: str = "replay",
@@ -163,7 +168,10 @@ def apply_remat(
         model: the model (plain, tensor-parallel, FSDP2-sharded or both: the order
             relative to :func:`shard_model` does not matter).
         blocks: module classes, a predicate ``(qualified_name, module) -> bool``,
-            or fully qualified names (see ``remat_dist.fsdp._blocks``).
+            or fully qualified names (see ``remat_dist.fsdp._blocks``). None (the
+            default) only for a model whose library remat_dist knows: a
+            transformers ``PreTrainedModel`` (its decoder layers, see
+            ``remat_dist.integrations.transformers``).
         policy: what each checkpoint keeps (see ``remat_dist.fsdp._policy``):
             ``"full"``, ``{"attention": "save"}``, ``{"every": k}`` / ``k``, a
             callable, or a :class:`MemoryBudget` (profile the first step, then
@@ -180,15 +188,32 @@ def apply_remat(
 
     The block's qualified name is its checkpoint's ``region_name``. Module types,
     parameter names and ``state_dict`` keys are unchanged; :func:`remove_remat`
-    undoes it. Raises :class:`RematUsageError` when a block is already
-    checkpointed (naming it), when selected blocks nest, when a block contains FSDP
-    units or a ``CheckpointWrapper``, or when the policy names missing submodules.
+    undoes it. A transformers model is also made safe to recompute, as its own
+    gradient checkpointing does: while gradients are enabled it runs with
+    ``use_cache=False`` (a warning says so when its config has the cache on), and a
+    ``MemoryBudget`` without ``regions`` takes its attention and MLP. Raises
+    :class:`RematUsageError` when a block is already checkpointed (naming it),
+    when selected blocks nest, when a block contains FSDP units or a
+    ``CheckpointWrapper`` (or has transformers' own checkpointing on), when the
+    policy names missing submodules, or when ``blocks`` is missing for a model
+    remat_dist does not know.
     """
     if not isinstance(model, nn.Module):
         raise RematUsageError(
             f"remat_dist.apply_remat: model must be an nn.Module, got "
             f"{type(model).__name__}."
         )
+    adapter = adapter_for(model)
+    if blocks is None:
+        if adapter is None:
+            raise RematUsageError(
+                f"remat_dist.apply_remat: blocks= is required for "
+                f"{type(model).__name__} (only a transformers PreTrainedModel's "
+                "blocks are found by themselves). Fix: pass the block class, e.g. "
+                "apply_remat(model, blocks=Block), its qualified names, or a "
+                "predicate (qualified_name, module) -> bool."
+            )
+        blocks = adapter.blocks(model)
     if state_hooks is not None:
         if recompute_state_hooks is not None:
             raise RematUsageError(
@@ -263,6 +288,10 @@ def apply_remat(
     if budget is not None:
         # profiled in the first step with full recompute, then planned (_budget)
         policy = "full"
+        if budget.regions is None and adapter is not None:
+            found = adapter.regions(model, selected)
+            if found is not None:
+                budget = dataclasses.replace(budget, regions=found)
     plans: list[tuple[str, nn.Module, dict[str, str]]] = []
     if STEP_HOOK_ATTR not in model.__dict__:
         # Every rank takes part in each step's plan agreement, also one whose
@@ -289,17 +318,27 @@ def apply_remat(
         collectives=collectives,
         determinism_check=determinism_check,
     )
-    _forget_compiled(model, "apply_remat")
-    if budget is not None:
-        # before anything changes: a bad region list fails here
-        attach = attach_budget(
-            model, selected, budget, install=install, state_hooks=hooks,
-            collectives=collectives,
-        )
-        install(plans)
-        attach()
-        return model
-    install(plans)
+    undo = adapter.prepare(model, selected) if adapter is not None else None
+    try:
+        _forget_compiled(model, "apply_remat")
+        if budget is not None:
+            # before anything changes: a bad region list fails here
+            attach = attach_budget(
+                model, selected, budget, install=install, state_hooks=hooks,
+                collectives=collectives,
+                side_passes=None if adapter is None else functools.partial(
+                    adapter.side_passes, model),
+            )
+            install(plans)
+            attach()
+        else:
+            install(plans)
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
+    if undo is not None:
+        model.__dict__.setdefault(PREPARED_ATTR, []).append(undo)
     return model
 
 
@@ -363,6 +402,8 @@ def remove_remat(model: nn.Module) -> nn.Module:
     if hook is not None:
         hook.remove()
     detach_budget(model)
+    for undo in reversed(model.__dict__.pop(PREPARED_ATTR, [])):
+        undo()  # what a model adapter prepared (transformers: the cache hooks)
     for _, module in model.named_modules():
         uninstall(module)
     _forget_compiled(model, "remove_remat")

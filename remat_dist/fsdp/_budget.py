@@ -49,6 +49,7 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -110,6 +111,7 @@ class _BudgetState:
     install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None]
     state_hooks: tuple[Any, ...] | None
     collectives: str
+    side_passes: Callable[[], Any] | None = None  # a model adapter's context
     phase: str = "profile"  # profile | profiling | pending | verify | planned | failed
     counter: Counter | None = None
     params: set[Any] = field(default_factory=set)
@@ -136,11 +138,14 @@ def attach_budget(
     install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None],
     state_hooks: tuple[Any, ...] | None,
     collectives: str,
+    side_passes: Callable[[], Any] | None = None,
 ) -> Callable[[], None]:
     """Check the budget's regions against ``blocks`` (raising before anything
     changes) and return the call that attaches the planner, once ``apply_remat``
     has checkpointed every block with full recompute. ``install(plans)`` rebuilds
-    checkpoints (``(name, block, regions)`` each) as ``apply_remat`` does."""
+    checkpoints (``(name, block, regions)`` each) as ``apply_remat`` does;
+    ``side_passes()`` (a model adapter's) is the context the profiling side passes
+    run in."""
     if BUDGET_ATTR in model.__dict__:
         raise RematUsageError(
             "remat_dist.apply_remat: the model already has a MemoryBudget. Fix: call "
@@ -159,7 +164,9 @@ def attach_budget(
                     "would make it a region twice. Fix: give each block its own "
                     "submodule, or pass regions=... without it."
                 )
-    state = _BudgetState(budget, list(blocks), cands, install, state_hooks, collectives)
+    state = _BudgetState(
+        budget, list(blocks), cands, install, state_hooks, collectives, side_passes
+    )
 
     def attach() -> None:
         model.__dict__[BUDGET_ATTR] = state
@@ -347,11 +354,12 @@ def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
 def _profiled(state: _BudgetState, index: int, run: Any) -> Any:
     def profiled_run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if state.phase == "profiling" and torch.is_grad_enabled():
-            row = profile_block(
-                state.blocks[index][0], module, state.candidates[index], args, kwargs,
-                params=state.params, state_hooks=state.state_hooks,
-                collectives=state.collectives, repeats=state.budget.repeats,
-            )
+            with state.side_passes() if state.side_passes else contextlib.nullcontext():
+                row = profile_block(
+                    state.blocks[index][0], module, state.candidates[index], args,
+                    kwargs, params=state.params, state_hooks=state.state_hooks,
+                    collectives=state.collectives, repeats=state.budget.repeats,
+                )
             # a block called more than once per forward (shared weights): every
             # call saves and recomputes under the same decision, so the costs add
             before = state.table[index]

@@ -11,7 +11,14 @@ that framework is installed:
     with :func:`remat_dist.fsdp.apply_remat`, keeping the MoE load-balancing token
     counts equal to a run without checkpointing. docs/torchtitan.md is the recipe.
 
-Nothing here is imported by ``import remat_dist``; import the adapter you use.
+``remat_dist.integrations.transformers``
+    makes ``apply_remat(model)`` work on a Hugging Face transformers
+    ``PreTrainedModel``: finds its decoder layers, their attention and MLP, and
+    turns the KV cache off while gradients are enabled. docs/transformers.md.
+
+The composition root (``import remat_dist``) attaches the transformers adapter to
+``apply_remat`` (it imports transformers only when a model of it exists); import
+the torchtitan adapter yourself when you use it.
 """
 
 __all__: list[str] = []

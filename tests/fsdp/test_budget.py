@@ -292,12 +292,21 @@ def test_micro_batches_of_the_profiling_step_and_later_steps():
     assert grads_equal(first[1], ref[0][1]) and grads_equal(second[1], ref[1][1])
 
 
-def test_interleaved_micro_batches_of_the_profiling_step():
+def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
     """1F1B order in the profiling step (F1 F2 B1 F3 B2 B3): the plan is installed
     at the end of B1, while micro-batch 2's graph, built under full recompute,
     waits for B2: its replay runs the blocks as its forward did (no region), F3
     runs the plan; gradients bitwise those without remat, in this step and the
-    next."""
+    next. The recompute times are fixed (a block 1.0, its attention 0.6, its MLP
+    0.3), so that the plan saves regions whatever this machine's load."""
+    from remat_dist.fsdp import _budget_profile
+
+    monkeypatch.setattr(
+        _budget_profile, "_time_block",
+        lambda module, paths, restore, repeats: (
+            1.0, {p: 0.6 if "attention" in p else 0.3 for p in paths}
+        ),
+    )
     micro = [make_batch(CFG, 2, seed=s) for s in (5, 6, 7)]
 
     def loss_of(model, batch):
