@@ -219,7 +219,6 @@ _tls = _TLS()
 _graph_task_id = torch._C._current_graph_task_id
 _backward_hook: Callable[[], float | None] | None = None
 _forward_note: Callable[[tuple[int, ...]], None] | None = None
-_hooks_added_key = False
 
 
 def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple[Any, ...]:
@@ -248,18 +247,22 @@ def set_step_hooks(
     out again. Hooks must be cheap when they have nothing to do: they are
     process-wide because the engine may run backward on its device threads.
     """
-    global _backward_hook, _forward_note, _hooks_added_key
+    global _backward_hook, _forward_note
+    _backward_hook = backward
+    _forward_note = forward_note
     if backward is not None or forward_note is not None:
         if not _installed:
             _install()
         if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
             torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
-            _hooks_added_key = True
-    elif _hooks_added_key and not _tls.stack:
+    elif (
+        _installed
+        and _TLS_TOGGLED
+        and not _tls.stack
+        and _graph_task_id() == -1  # the engine puts back the state it was called in
+        and torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
+    ):
         torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
-        _hooks_added_key = False
-    _backward_hook = backward
-    _forward_note = forward_note
 
 
 # ------------------------------------------------------------- FSDP2's own

@@ -181,7 +181,7 @@ class _LedgerObserver:
                 state.ledger, keep_outputs=mode == "save", packs=specs.__len__
             )
             state._recorder = recorder
-            _step.current_step().arm()
+            _step.current_step().checkpoint_starts()
             state._extent = observe_collectives(_SkipFSDP(recorder, state, None))
             state._extent.__enter__()
             record.extensions[LEDGER_KEY] = state

@@ -150,6 +150,12 @@ class StepState:
         self._lock = threading.RLock()
 
     # -- forward
+    def checkpoint_starts(self) -> None:
+        """A checkpoint's forward starts: settle a report still owed, and stop
+        intercepting what a finished backward left intercepted."""
+        self._settle_owed()
+        self._hooks()
+
     def arm(self) -> None:
         """Note the groups of the collectives issued from now on in this forward
         (``mark_step``, a checkpoint's start)."""

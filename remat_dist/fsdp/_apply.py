@@ -79,6 +79,9 @@ __all__ = [
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
 
+SELECTED_ATTR = "_remat_dist_selected"
+"""On the model: every block ``apply_remat`` selected, checkpointed or not."""
+
 PREPARED_ATTR = "_remat_dist_prepared"
 """On the model: the calls that undo what model adapters prepared (``_adapters``)."""
 
@@ -293,9 +296,10 @@ def apply_remat(
             if found is not None:
                 budget = dataclasses.replace(budget, regions=found)
     plans: list[tuple[str, nn.Module, dict[str, str]]] = []
+    model.__dict__.setdefault(SELECTED_ATTR, []).extend(m for _, m in selected)
     if STEP_HOOK_ATTR not in model.__dict__:
-        # Every rank takes part in each step's plan agreement, also one whose
-        # policy checkpoints nothing (so a rank-dependent policy raises everywhere).
+        # A rank whose policy leaves blocks unchecked still takes part in the
+        # agreements of its groups (so a rank-dependent policy raises there).
         model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_mark_step)
     for index, (name, module) in enumerate(selected):
         regions = resolve_policy(policy, index, name, module)
@@ -376,7 +380,13 @@ def _install_plans(
 
 
 def _mark_step(module: nn.Module, args: Any) -> None:
-    if torch.is_grad_enabled():
+    """A rank whose policy leaves a selected block unchecked takes part in the
+    agreements of the groups its forward uses (its peers may checkpoint that block).
+    Where every block is checkpointed, the checkpoints put their groups at stake
+    themselves, and nothing else is looked at: FSDP2's collectives pass untouched."""
+    if torch.is_grad_enabled() and any(
+        BLOCK_ATTR not in b.__dict__ for b in module.__dict__.get(SELECTED_ATTR, ())
+    ):
         mark_step()
 
 
@@ -398,6 +408,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
             "remove. Fix: run that backward (or drop the loss and outputs) before "
             "remove_remat(model)."
         )
+    model.__dict__.pop(SELECTED_ATTR, None)
     hook = model.__dict__.pop(STEP_HOOK_ATTR, None)
     if hook is not None:
         hook.remove()
