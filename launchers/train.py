@@ -317,10 +317,4 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Training done and the process group destroyed: leave without C++ static
-    # teardown, where a loaded machine sometimes aborted a finished worker
-    # ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

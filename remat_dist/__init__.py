@@ -1,16 +1,22 @@
 """remat_dist: activation checkpointing that is aware of distributed training.
 
-``import remat_dist as remat`` gives the whole public API (docs/api.md lists it):
-torch_remat's region model (``checkpoint``, ``region``, ``recompute_needs_tensor``,
-...), RETURNN's ``gradient_checkpoint_scope``, and the rank-aware pieces from
-``remat_dist.distributed`` re-exported here. This package is the composition root:
-importing it attaches the distributed layer to the core (the core itself installs
-nothing).
+``import remat_dist as remat`` is the one front door: every name a user calls or
+receives is published here, and only here (``docs/api.md`` lists them). The
+packages below are the layers (``core``, ``distributed``, ``wrap``, ``budget``,
+``shard``, ``report``) and what sits at the side (``testing``, ``models``,
+``integrations``, ``compat``); a layer's own ``__all__`` lists what the layers
+above it use, never a name published here (``remat_dist.core``'s is the extension
+interface, ``docs/extending.md``).
+
+This package is also the composition root: importing it attaches the distributed
+layer to the core (the core itself installs nothing) and the transformers adapter
+to the wrapping layer.
 """
 
 import remat_dist._logging  # noqa: F401  (quiet by default; REMAT_DIST_LOG=info)
-import remat_dist.distributed as _distributed
+from remat_dist.budget import BlockPlan, BudgetPlan, MemoryBudget, current_plan
 from remat_dist.core import (
+    CollectiveMode,
     RecomputeStateHook,
     SavedTensorInfo,
     SavedTensorKind,
@@ -30,10 +36,12 @@ from remat_dist.distributed import (
     DeviceRNGStateHook,
     DTensorRNGStateHook,
     GeneratorStateHook,
+    StepStats,
     check_plan_consistency,
     default_state_hooks,
     mark_step,
     set_replay_timeout,
+    step_stats,
 )
 from remat_dist.errors import (
     CollectiveReplayError,
@@ -43,20 +51,10 @@ from remat_dist.errors import (
     RematUsageError,
     ReplayMismatchError,
 )
-from remat_dist.fsdp import (
-    MemoryBudget,
-    TensorParallelPlan,
-    apply_remat,
-    current_plan,
-    reference_tp_plan,
-    remat_plan,
-    remove_remat,
-    shard_model,
-)
-from remat_dist.fsdp._adapters import register_model_adapter as _register_model_adapter
 from remat_dist.integrations.transformers import ADAPTER as _transformers_adapter
 from remat_dist.report import (
     CrossRankReport,
+    Trace,
     attach_oom_observer,
     clear_memory_snapshot_cache,
     collect_trace,
@@ -72,70 +70,84 @@ from remat_dist.report import (
     saved_tensors_summary,
     trace_scope,
 )
+from remat_dist.shard import TensorParallelPlan, reference_tp_plan, shard_model
+from remat_dist.wrap import (
+    BlockRemat,
+    apply_remat,
+    register_model_adapter,
+    remat_plan,
+    remove_remat,
+)
 
 # apply_remat knows transformers models (their decoder layers, use_cache off while
-# recomputing) through the fsdp layer's model-adapter seam; the adapter imports
+# recomputing) through the wrapping layer's model-adapter seam; the adapter imports
 # transformers lazily, so this works without it installed.
-_register_model_adapter(_transformers_adapter)
-
-# The API contract lists the cross-rank report under remat_dist.distributed too
-# (docs/api_contract.md). It is built
-# in remat_dist.report, a layer above; this composition root, which imports both,
-# attaches it there, so no import points upward.
-_distributed.CrossRankReport = CrossRankReport
-_distributed.gather_saved_tensors_report = gather_saved_tensors_report
+register_model_adapter(_transformers_adapter)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "check_plan_consistency",
-    "set_replay_timeout",
-    "mark_step",
-    "MemoryBudget",
-    "TensorParallelPlan",
-    "apply_remat",
-    "current_plan",
-    "reference_tp_plan",
-    "remat_plan",
-    "remove_remat",
-    "shard_model",
-    "CrossRankReport",
-    "attach_oom_observer",
-    "clear_memory_snapshot_cache",
-    "collect_trace",
-    "discover_autograd_roots",
-    "format_current_memory_report",
-    "format_oom_saved_tensors_report",
-    "format_saved_tensors_report",
-    "gather_saved_tensors_report",
-    "memory_snapshot_annotate",
-    "oom_observer",
-    "print_current_memory_report",
-    "print_saved_tensors_report",
-    "saved_tensors_summary",
-    "trace_scope",
-    "CPURNGStateHook",
-    "DTensorRNGStateHook",
-    "DeviceRNGStateHook",
-    "GeneratorStateHook",
-    "default_state_hooks",
-    "CollectiveReplayError",
-    "PlaceholderAccessError",
-    "PlanMismatchError",
-    "RecomputeStateHook",
-    "RematError",
-    "RematUsageError",
-    "ReplayMismatchError",
-    "SavedTensorInfo",
-    "SavedTensorKind",
+    # regions and checkpoints (torch_remat's model)
     "checkpoint",
-    "current_saved_tensor_info",
-    "gradient_checkpoint_scope",
-    "is_placeholder",
-    "is_recomputing",
+    "region",
     "name_scope",
     "recompute_needs_tensor",
-    "region",
     "save_for_backward",
+    "is_recomputing",
+    "is_placeholder",
+    "RecomputeStateHook",
     "saved_tensors_hooks",
+    "current_saved_tensor_info",
+    "SavedTensorInfo",
+    "SavedTensorKind",
+    # RETURNN's scope
+    "gradient_checkpoint_scope",
+    # models: wrapping, sharding, the memory budget
+    "apply_remat",
+    "remove_remat",
+    "remat_plan",
+    "BlockRemat",
+    "shard_model",
+    "reference_tp_plan",
+    "TensorParallelPlan",
+    "MemoryBudget",
+    "current_plan",
+    "BudgetPlan",
+    "BlockPlan",
+    # ranks: replay safety and RNG
+    "CollectiveMode",
+    "set_replay_timeout",
+    "mark_step",
+    "check_plan_consistency",
+    "step_stats",
+    "StepStats",
+    "default_state_hooks",
+    "DeviceRNGStateHook",
+    "CPURNGStateHook",
+    "DTensorRNGStateHook",
+    "GeneratorStateHook",
+    # traces and reports
+    "collect_trace",
+    "trace_scope",
+    "Trace",
+    "saved_tensors_summary",
+    "format_saved_tensors_report",
+    "print_saved_tensors_report",
+    "gather_saved_tensors_report",
+    "CrossRankReport",
+    "discover_autograd_roots",
+    "format_current_memory_report",
+    "print_current_memory_report",
+    "attach_oom_observer",
+    "oom_observer",
+    "format_oom_saved_tensors_report",
+    "memory_snapshot_annotate",
+    "clear_memory_snapshot_cache",
+    # errors
+    "RematError",
+    "RematUsageError",
+    "PlaceholderAccessError",
+    "ReplayMismatchError",
+    "CollectiveReplayError",
+    "PlanMismatchError",
 ]

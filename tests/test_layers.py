@@ -1,8 +1,9 @@
 """The layer picture holds: imports point down, and core's privates stay in core.
 
-core <- distributed <- report <- fsdp <- cli / launchers; testing and models sit at
-the side (they may use any library layer; no library layer imports them). The
-package root ``remat_dist/__init__.py`` is the composition root that imports all.
+core <- distributed <- report, and distributed <- wrap <- budget, shard; cli and
+launchers above all; testing, models and integrations sit at the side (they may
+use the library layers; no library layer imports them). The package root
+``remat_dist/__init__.py`` is the composition root that imports all.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "remat_dist"
 
 # What each library layer may import from remat_dist (besides itself and errors).
+LIBRARY = {"core", "distributed", "report", "wrap", "budget", "shard"}
 ALLOWED = {
     "core": set(),
     "distributed": {"core"},
     "report": {"core", "distributed"},
-    "fsdp": {"core", "distributed", "report"},
-    "cli": {
-        "core", "distributed", "report", "fsdp", "integrations", "testing", "models",
-        "(root)",
-    },
-    "testing": {"core", "distributed", "report", "fsdp", "models"},
-    "models": {"core", "distributed", "report", "fsdp"},
-    "integrations": {"core", "distributed", "report", "fsdp"},
+    "wrap": {"core", "distributed"},
+    "budget": {"core", "distributed", "wrap"},
+    "shard": {"core", "distributed", "wrap"},
+    "cli": LIBRARY | {"integrations", "testing", "models", "(root)"},
+    "testing": LIBRARY | {"models"},
+    "models": LIBRARY,
+    "integrations": LIBRARY,
 }
 
 

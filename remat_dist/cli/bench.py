@@ -40,7 +40,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
-from remat_dist.core.scope import live_scope_records
+from remat_dist.core import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.report import build_saved_tensors_report
 from remat_dist.testing import SavedBytesCounter

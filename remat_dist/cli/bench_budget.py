@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -222,8 +221,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     _torchrun_main(sys.argv[1], json.loads(sys.argv[2]))
-    # Work done, group destroyed, JSON written: leave without C++ teardown (a
-    # worker sometimes aborted in static destructors at exit under load).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -328,13 +328,6 @@ def format_dist_table(result: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     import json
-    import os
     import sys
 
     _torchrun_main(sys.argv[1], json.loads(sys.argv[2]))
-    # Work done, group destroyed, JSON written: leave without C++ teardown. Under
-    # heavy load a worker sometimes aborted in static destructors at exit
-    # ("terminate called without an active exception"; see the stop notes).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -14,6 +14,16 @@ finishes first takes the store away from one still in its last backward.
 Per run it records each rank's exit code and whether its stderr holds
 "terminate called" (a C++ abort at exit) or a ``DistNetworkError`` / connection
 error raised out of ``loss.backward()``.
+
+``--layout forced`` runs instead the timing that makes the rare abort at exit
+certain: rank 0 issues an asynchronous all-reduce inside a checkpoint's extent
+(with saved-tensor hooks on the thread, as a checkpoint's forward has them) and
+falls off the end while its peer joins that collective late, so gloo's worker
+thread completes it during rank 0's interpreter shutdown; a C-level ``atexit``
+callback holds the GIL for a moment to make the straddle deterministic. Before
+``remat_dist.distributed._intercept._issue_bare`` the work captured the hooks
+(Python objects) and its thread took the GIL to free them: "terminate called
+without an active exception" in most runs.
 """
 
 from __future__ import annotations
@@ -68,6 +78,37 @@ def _worker(layout: str, steps: int) -> None:
         opt.step()
         opt.zero_grad()
     dist.destroy_process_group()
+
+
+def _worker_forced() -> None:
+    """One rank of the forced-timing run (see the module docstring)."""
+    import atexit
+    import ctypes
+
+    atexit.register(sum, range(30_000_000))  # registered first: runs last, holds the GIL
+
+    import torch
+    import torch.distributed as dist
+
+    from remat_dist.distributed._collectives import observe_collectives
+
+    class PassThrough:
+        def on_collective(self, call: Any, issue: Any) -> Any:
+            return issue()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1 << 16)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 is in its interpreter shutdown by then
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+        with observe_collectives(PassThrough()):
+            work = dist.all_reduce(t, async_op=True)
+    if rank == 1:
+        work.wait()
+    for obj in (t, work):  # never freed: only the work's thread state can need the GIL
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _free_port() -> int:
@@ -139,14 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         description="Run an ordinary 2-rank script N times; count unclean exits.",
     )
     parser.add_argument("runs", type=int, nargs="?", default=50)
-    parser.add_argument("--layout", choices=("tp", "fsdp"), default="tp")
+    parser.add_argument("--layout", choices=("tp", "fsdp", "forced"), default="tp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.layout, args.steps)
+        if args.layout == "forced":
+            _worker_forced()
+        else:
+            _worker(args.layout, args.steps)
         return 0
     result = run_exits(args.runs, layout=args.layout, steps=args.steps, parallel=args.parallel)
     print(format_exits(result))

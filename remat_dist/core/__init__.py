@@ -1,25 +1,34 @@
-"""The single-process runtime: checkpoint, regions, placeholders, state hooks, scope.
+"""The single-process runtime: checkpoint, regions, placeholders, state hooks,
+RETURNN's scope. Knows nothing of ranks.
 
-Knows nothing of ranks. This front door is also the extension surface the layers
-above use (and the only one: ``remat_dist.core._*`` is private to core, enforced by
-a lint rule): the per-checkpoint record (:class:`CheckpointRecord`,
-:class:`RegionRecord`, :class:`SavedEntry`), the observer seam
-(:class:`CheckpointObserver`, :func:`register_observer`), the default state-hook
-provider, the option seam (:func:`declare_option`, :class:`CheckpointOptions`) (:func:`set_default_state_hooks_provider`), the running frame
-(:func:`current_frame`), the classifier of what autograd holds
-(:func:`classify_packed`, :func:`records_of_node`) and storage identity
-(:func:`plain`, :func:`storage_key`, :func:`storage_nbytes`).
+Its user API (``checkpoint``, ``region``, ...) is published at ``remat_dist``.
+What this front door publishes (``__all__``) is the **extension interface**, the
+only way in for the layers above (``remat_dist.core._*`` is private to core, a lint
+rule enforces it; ``docs/extending.md`` documents each piece):
+
+* the per-checkpoint record: :class:`CheckpointRecord`, :class:`RegionRecord`,
+  :class:`SavedEntry`, :class:`PersistedOutput`, :class:`CheckpointPhase`,
+  :class:`RecordExtension`, :func:`live_records`;
+* the observer seam: :class:`CheckpointObserver`, :func:`register_observer`;
+* the option seam: :func:`declare_option`, :class:`OptionSpec`,
+  :class:`CheckpointOptions`;
+* the default state hooks: :func:`set_default_state_hooks_provider`;
+* the running frame: :func:`current_frame`, :func:`active_scope_depth`;
+* what autograd holds: :func:`classify_packed`, :class:`PackedKind`,
+  :func:`records_of_node`, :func:`live_scope_records`;
+* storage identity: :func:`plain`, :func:`storage_key`, :func:`storage_nbytes`,
+  :class:`StorageKey`.
 """
 
-from remat_dist.core._checkpoint import checkpoint
+from remat_dist.core._checkpoint import checkpoint as checkpoint
 from remat_dist.core._hooks import (
-    current_saved_tensor_info,
-    save_for_backward,
-    saved_tensors_hooks,
+    current_saved_tensor_info as current_saved_tensor_info,
 )
+from remat_dist.core._hooks import save_for_backward as save_for_backward
+from remat_dist.core._hooks import saved_tensors_hooks as saved_tensors_hooks
 from remat_dist.core._options import CheckpointOptions, OptionSpec, declare_option
 from remat_dist.core._packed import PackedKind, classify_packed, records_of_node
-from remat_dist.core._placeholder import is_placeholder
+from remat_dist.core._placeholder import is_placeholder as is_placeholder
 from remat_dist.core._record import (
     CheckpointObserver,
     CheckpointPhase,
@@ -32,11 +41,20 @@ from remat_dist.core._record import (
     register_observer,
     set_default_state_hooks_provider,
 )
-from remat_dist.core._region import name_scope, recompute_needs_tensor, region
-from remat_dist.core._state import current_frame, is_recomputing
+from remat_dist.core._region import name_scope as name_scope
+from remat_dist.core._region import recompute_needs_tensor as recompute_needs_tensor
+from remat_dist.core._region import region as region
+from remat_dist.core._scope import active_scope_depth, live_scope_records
+from remat_dist.core._scope import (
+    gradient_checkpoint_scope as gradient_checkpoint_scope,
+)
+from remat_dist.core._state import current_frame
+from remat_dist.core._state import is_recomputing as is_recomputing
 from remat_dist.core._storage import StorageKey, plain, storage_key, storage_nbytes
-from remat_dist.core._types import RecomputeStateHook, SavedTensorInfo, SavedTensorKind
-from remat_dist.core.scope import active_scope_depth, gradient_checkpoint_scope
+from remat_dist.core._types import CollectiveMode as CollectiveMode
+from remat_dist.core._types import RecomputeStateHook as RecomputeStateHook
+from remat_dist.core._types import SavedTensorInfo as SavedTensorInfo
+from remat_dist.core._types import SavedTensorKind as SavedTensorKind
 
 __all__ = [
     "CheckpointObserver",
@@ -46,31 +64,19 @@ __all__ = [
     "OptionSpec",
     "PackedKind",
     "PersistedOutput",
-    "RecomputeStateHook",
     "RecordExtension",
     "RegionRecord",
     "SavedEntry",
     "StorageKey",
-    "SavedTensorInfo",
-    "SavedTensorKind",
-    "checkpoint",
     "active_scope_depth",
     "classify_packed",
     "current_frame",
-    "current_saved_tensor_info",
     "declare_option",
-    "gradient_checkpoint_scope",
-    "is_placeholder",
-    "is_recomputing",
     "live_records",
-    "name_scope",
+    "live_scope_records",
     "plain",
-    "recompute_needs_tensor",
     "records_of_node",
-    "region",
     "register_observer",
-    "save_for_backward",
-    "saved_tensors_hooks",
     "set_default_state_hooks_provider",
     "storage_key",
     "storage_nbytes",

@@ -42,10 +42,10 @@ from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolv
 from remat_dist.core._packed import _link_to_graph
 from remat_dist.core._record import CheckpointPhase, CheckpointRecord
 from remat_dist.core._save_region import _entry
+from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
-from remat_dist.core._types import RecomputeStateHook
-from remat_dist.core.scope import active_scope_depth
+from remat_dist.core._types import CollectiveMode, RecomputeStateHook
 from remat_dist.errors import RematUsageError
 
 __all__ = ["checkpoint"]
@@ -70,6 +70,7 @@ def checkpoint(
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
     determinism_check: DeterminismCheck = "none",
     preserve_rng_state: bool = False,
+    collectives: CollectiveMode | None = None,
     **options: Any,
 ) -> Callable[[F], F]:
     """Recompute-by-default activation checkpoint: ``checkpoint(**opts)(fn)(*args)``.
@@ -97,12 +98,12 @@ def checkpoint(
             ``recompute_state_hooks`` (the default set above already keeps it
             aligned). ``True`` raises ``NotImplementedError`` as in torch_remat
             (also a ``RematUsageError``), naming the state hooks to pass instead.
-        **options: the options the layers above declared
-            (``core.declare_option``); ``remat_dist.distributed`` declares
-            ``collectives="replay" | "save"`` (re-issue each collective, checked
-            against the forward's ledger before it is issued / keep collective
-            outputs so replay issues no communication) and the deprecated
-            ``verify_plan``.
+        collectives: ``"replay"`` (default with a process group: re-issue each
+            collective on replay, checked against the forward's ledger before it is
+            issued) or ``"save"`` (keep the collectives' outputs so the replay
+            issues no communication); see ``docs/distributed.md``.
+        **options: further options a layer above declared
+            (``core.declare_option``, the extension interface).
     """
     where = region_name if isinstance(region_name, str) else "<unnamed>"
     if fn is not None:
@@ -145,6 +146,8 @@ def checkpoint(
                 "RecomputeStateHook. Fix: give it snapshot() -> state and "
                 "restore(state) methods."
             )
+    if collectives is not None:
+        options["collectives"] = collectives
     extensions = resolve(
         options,
         f"remat_dist.checkpoint(region_name={where!r})",

@@ -31,6 +31,7 @@ from remat_dist.core._save_region import (
 )
 from remat_dist.core._state import frame_var, name_prefix_var
 from remat_dist.core._state_hooks import _restore, _snapshot
+from remat_dist.core._types import CollectiveMode
 from remat_dist.errors import RematError, RematUsageError
 
 __all__ = ["name_scope", "recompute_needs_tensor", "region"]
@@ -72,6 +73,7 @@ def region(
     name: str,
     *,
     recompute: bool,
+    collectives: CollectiveMode | None = None,
     **options: Any,
 ) -> Callable[..., Any]:
     """Mark a call inside a checkpoint: ``region(function, name, recompute=...)(*args)``.
@@ -82,11 +84,10 @@ def region(
     default for any code in a checkpoint; useful for names in traces and to persist
     save-region outputs the call consumes). Outside a checkpoint: a plain call.
 
-    ``**options`` are the region options the layers above declared
-    (``core.declare_option``): ``remat_dist.distributed`` declares
-    ``collectives="save"``, which keeps the outputs of the collectives this call
-    issues so that its replay issues no communication (the checkpoint's
-    ``collectives=`` option, for this region only).
+    ``collectives="save"`` keeps the outputs of the collectives this call issues
+    so that its replay issues no communication (``"replay"`` re-issues them; None,
+    the default, takes the checkpoint's mode). ``**options`` are further region
+    options a layer above declared (``core.declare_option``).
     """
     if not callable(function):
         raise RematUsageError(
@@ -103,6 +104,8 @@ def region(
             f"remat_dist.region(fn, {name!r}, recompute=...): recompute must be True "
             f"or False, got {recompute!r} ({type(recompute).__name__})."
         )
+    if collectives is not None:
+        options["collectives"] = collectives
     resolved = resolve(options, f"remat_dist.region(fn, {name!r}, ...)", region=True)
     return _RegionCall(function, name, recompute, resolved)
 

@@ -2,7 +2,7 @@
 
 How a scope keeps its tensors out of autograd's saved tensors:
 
-* While the scope runs, a ``TorchDispatchMode`` (in :mod:`remat_dist.core.scope`)
+* While the scope runs, a ``TorchDispatchMode`` (in :mod:`remat_dist.core._scope`)
   hands every ATen call to :meth:`ScopeRecord.record_op`. The record keeps the
   operator, its arguments with tensors replaced by references, the RNG state before
   a random draw and the autocast state. It never holds a tensor the scope created:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["RecomputeStateHook", "SavedTensorInfo", "SavedTensorKind"]
+__all__ = ["CollectiveMode", "RecomputeStateHook", "SavedTensorInfo", "SavedTensorKind"]
+
+CollectiveMode = Literal["replay", "save"]
+"""``collectives=`` of a checkpoint or region: how the collectives it issues behave
+on replay (``"replay"``: re-issued, each checked against the forward's before it is
+issued; ``"save"``: their outputs kept, the replay issues none). The core carries
+the value; the distributed layer gives it its meaning and validates it."""
 
 
 @runtime_checkable

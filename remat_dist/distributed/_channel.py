@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import struct
 import time
@@ -37,8 +36,15 @@ from datetime import timedelta
 from typing import Any
 
 from remat_dist._logging import get_logger
+from remat_dist.distributed._wire import (
+    advertised_host,
+    nodelay,
+    pack_parts,
+    read_exact,
+    unpack_parts,
+)
 
-__all__ = ["ChannelFailure", "SideChannel", "advertised_host"]
+__all__ = ["ChannelFailure", "SideChannel"]
 
 log = get_logger(__name__)
 
@@ -47,10 +53,6 @@ SLOW_S = 0.25
 there for an abort (diagnostics); a round's bound over 2 s waits an eighth of it
 (a healthy group arrives within milliseconds; a loaded machine should not turn
 every round into store traffic)."""
-
-HOST_ENV = "REMAT_DIST_CHANNEL_HOST"
-"""The address this rank's side-channel links listen on (default: the address of
-the interface that reaches the c10d store's host; loopback for a local store)."""
 
 _MAGIC = b"RDc1"
 _HEADER = struct.Struct("!4sIBI")  # magic, round, kind, payload length
@@ -84,34 +86,6 @@ class ChannelFailure(Exception):
         self.missing = missing
         self.by = by
         self.stale = stale
-
-
-def advertised_host(store: Any) -> str:
-    """Where this rank's links listen: ``$REMAT_DIST_CHANNEL_HOST``, else the local
-    address on the route to the store's host (loopback for a local store)."""
-    env = os.environ.get(HOST_ENV)
-    if env:
-        return env
-    base = store
-    while hasattr(base, "underlying_store"):
-        base = base.underlying_store
-    host = getattr(base, "host", None)
-    if not host:
-        return "127.0.0.1"
-    try:
-        addr = socket.gethostbyname(host)
-    except OSError:
-        return "127.0.0.1"
-    if addr.startswith("127."):
-        return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((addr, int(getattr(base, "port", 1) or 1)))  # sends nothing
-        return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-    finally:
-        probe.close()
 
 
 def _partners(index: int, n: int) -> tuple[list[int], int | None, int | None]:
@@ -205,7 +179,7 @@ class SideChannel:
                     continue
                 conn.settimeout(max(0.01, deadline - time.monotonic()))
                 try:
-                    hello = _read_exact(conn, 8 + 4)
+                    hello = read_exact(conn, 8 + 4)
                 except OSError:
                     conn.close()
                     continue
@@ -213,7 +187,7 @@ class SideChannel:
                 if token != self._token() or j not in expected:
                     conn.close()
                     continue
-                _nodelay(conn)
+                nodelay(conn)
                 self._links[j] = conn
                 expected.discard(j)
         except BaseException:
@@ -242,7 +216,7 @@ class SideChannel:
             conn = socket.create_connection(
                 (host, int(port)), timeout=max(0.01, deadline - time.monotonic())
             )
-            _nodelay(conn)
+            nodelay(conn)
             conn.sendall(self._token() + struct.pack("!I", self.index))
         except OSError:
             raise self._closed(j, 0) from None
@@ -267,12 +241,12 @@ class SideChannel:
 
     def gather(self, payload: bytes, timeout: float) -> dict[int, bytes]:
         """Every member's ``payload``, by global rank."""
-        mine = _pack_parts({self.rank: payload})
+        mine = pack_parts({self.rank: payload})
 
         def combine(a: bytes, b: bytes) -> bytes:
-            return _pack_parts({**_unpack_parts(a), **_unpack_parts(b)})
+            return pack_parts({**unpack_parts(a), **unpack_parts(b)})
 
-        return _unpack_parts(self._round(_GATHER, mine, combine, timeout))
+        return unpack_parts(self._round(_GATHER, mine, combine, timeout))
 
     def _round(
         self, kind: int, value: bytes, combine: Callable[[bytes, bytes], bytes], timeout: float
@@ -473,34 +447,3 @@ def _aborted(abort: tuple[int, int, list[int] | None], seq: int) -> ChannelFailu
         by=by,
         stale=a_seq < seq,
     )
-
-
-def _nodelay(conn: socket.socket) -> None:
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _read_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed during the handshake")
-        buf += chunk
-    return bytes(buf)
-
-
-_PART = struct.Struct("!iI")
-
-
-def _pack_parts(parts: dict[int, bytes]) -> bytes:
-    return b"".join(_PART.pack(r, len(p)) + p for r, p in sorted(parts.items()))
-
-
-def _unpack_parts(data: bytes) -> dict[int, bytes]:
-    out, i = {}, 0
-    while i < len(data):
-        r, n = _PART.unpack_from(data, i)
-        i += _PART.size
-        out[r] = data[i : i + n]
-        i += n
-    return out

@@ -114,8 +114,8 @@ class CollectiveCall:
         return describe_signature(op, gname, granks, ins, outs, params)
 
     def _issue(self) -> Any:
-        return self._spec.overload._handle.redispatch_boxed(
-            self._keyset & _AFTER, *self.args
+        return _issue_bare(
+            self._spec.overload._handle.redispatch_boxed, self._keyset & _AFTER, self.args
         )
 
 
@@ -313,7 +313,7 @@ def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
     def kernel(keyset: Any, *args: Any) -> Any:
         tls = _tls
         if tls.bypass:
-            return redispatch(keyset & _AFTER, *args)
+            return _issue_bare(redispatch, keyset & _AFTER, args)
         if _backward_hook is not None or _forward_note is not None:
             if _graph_task_id() != -1:
                 hook = _backward_hook
@@ -324,12 +324,59 @@ def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
                 _note(_forward_note, spec, args)
         stack = tls.stack
         if not stack:
-            return redispatch(keyset & _AFTER, *args)
+            return _issue_bare(redispatch, keyset & _AFTER, args)
         call = CollectiveCall(spec, args, keyset)
         return _dispatch(stack, len(stack) - 1, call)
 
     kernel.__name__ = f"remat_dist_observe_{spec.name}"
     return kernel
+
+
+# ------------------------------------------------- issuing without Python TLS
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+
+
+def _issue_bare(redispatch: Callable[..., Any], keyset: Any, args: tuple[Any, ...]) -> Any:
+    """Issue a ``c10d::`` op with this thread's saved-tensor hooks stack emptied.
+
+    A backend captures the caller's whole ``at::ThreadLocalState`` in each work it
+    enqueues (gloo's ``AsyncWork``) and installs it on its worker thread to run
+    the work. Inside a checkpoint that state holds the checkpoint's pack/unpack
+    hooks (torch's ``_checkpoint_hook`` in forward, ``_recomputation_hook`` in
+    replay): Python objects, so the worker thread takes the GIL to copy, restore
+    and free them after every such collective. A worker thread that waits for the
+    GIL while the interpreter starts finalizing is ended by Python with
+    ``pthread_exit``; the forced unwind meets a ``noexcept`` destructor
+    (``~SafePyObject`` in ``SavedTensorDefaultHooks::set_tls_state``) and the
+    process aborts: "terminate called without an active exception" (or "FATAL:
+    exception not rethrown"). The hooks mean nothing below autograd, where this
+    kernel sits (a collective saves nothing for backward), so they are taken off
+    for the call and put back after it: the work then holds no Python object and
+    its thread never needs the GIL.
+    """
+    top = _top_hooks(True)
+    if top is None:
+        return redispatch(keyset, *args)
+    stashed = []
+    while top is not None:
+        stashed.append(top)
+        _pop_hooks()
+        top = _top_hooks(True)
+    try:
+        return redispatch(keyset, *args)
+    finally:
+        disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+        if disabled is not None:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        try:
+            for pack, unpack in reversed(stashed):
+                _push_hooks(pack, unpack)
+        finally:
+            if disabled is not None:
+                torch._C._autograd._saved_tensors_hooks_disable(disabled)
 
 
 def _dispatch(stack: list[CollectiveObserver], level: int, call: CollectiveCall) -> Any:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["HEAD_ENTRIES", "PlanDigest", "explain", "fix_text"]
+__all__ = ["HEAD_ENTRIES", "PlanDigest", "explain", "failure_text", "fix_text", "plans_differ"]
 
 HEAD_ENTRIES = 64
 """Plan entries each rank keeps (and sends) to explain a mismatch."""
@@ -169,3 +169,29 @@ def _fp_text(v: str) -> str:
         return "no collective"
     fp, _, count = v.partition(":")
     return f"{count} collective(s), fingerprint {fp}"
+
+
+def failure_text(
+    rank: int, stake: tuple[int, ...], f: Any, what: str, timeout: float
+) -> str:
+    """The message of a round that failed (a ``ChannelFailure``, or a store round's
+    timeout in the same shape): who did not come, who gave up first, the fix."""
+    if f.reason == "aborted":
+        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
+        head = (
+            f"rank {rank}: {who} of {list(stake)} did not reach {what} in time "
+            f"(rank {f.by} gave up waiting first)"
+        )
+    elif f.reason == "timeout":
+        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
+        head = f"rank {rank}: {who} of {list(stake)} did not reach {what} within {timeout:g} s"
+    elif f.reason == "closed":
+        head = f"rank {rank}: {what} could not complete: {f}"
+    else:
+        head = f"rank {rank}: {what} is out of step: {f}"
+    return (
+        f"{head}: they stalled, died, raised earlier in this step, or run another "
+        "number of steps. No rank of them issued a collective of this backward "
+        "after it. Fix the failing rank (its own error says why); raise the bound "
+        "with remat_dist.set_replay_timeout(seconds)."
+    )

@@ -1,6 +1,6 @@
 """Which device this rank's random ops use: :func:`rank_device` and its helpers.
 
-The RNG hooks (``remat_dist.distributed.rng``) snapshot one device's generator; a
+The RNG hooks (``remat_dist.distributed._rng``) snapshot one device's generator; a
 rank that resolved the wrong device (device 0 on every rank of a node, say) would
 snapshot a generator its ops never touch and replay different dropout masks with
 no error. The choice lives here, apart from the hooks, because other rank-aware

@@ -6,7 +6,7 @@ called with ``recompute_state_hooks=None``. :func:`install_default_provider`
 (called when ``remat_dist.distributed`` is imported) installs the one here: this
 rank's RNG hooks while a process group is initialised, the CPU generator (plus an
 initialised accelerator's) in a single process. The hooks themselves are in
-``remat_dist.distributed.rng``; this module only picks and caches sets of them.
+``remat_dist.distributed._rng``; this module only picks and caches sets of them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
 from remat_dist.distributed._rank_device import accelerator_type, rank_device
 from remat_dist.distributed._ready import dist_ready
-from remat_dist.distributed.rng import (
+from remat_dist.distributed._rng import (
     CPURNGStateHook,
     DeviceRNGStateHook,
     DTensorRNGStateHook,

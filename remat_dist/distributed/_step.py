@@ -45,14 +45,12 @@ import torch
 from remat_dist._logging import get_logger
 from remat_dist.distributed._channel import ChannelFailure, SideChannel
 from remat_dist.distributed._intercept import set_step_hooks
-from remat_dist.distributed._plan import PlanDigest, explain, plans_differ
+from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
-from remat_dist.distributed._store_round import RoundTimeout, StoreRound
 from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
 __all__ = [
     "StepState",
-    "check_plan_consistency",
     "current_step",
     "mark_step",
     "reset_step_state",
@@ -145,7 +143,8 @@ class StepState:
         self.stats = StepStats()
         self.full = PlanDigest()
         """Every checkpoint since the last ``check_plan_consistency()``."""
-        self._checks: dict[str, StoreRound] = {}
+        self.checks: dict[str, Any] = {}
+        """Per group name: its ``check_plan_consistency`` store round (``_check``)."""
         # backward may run on the engine's device threads: one transition at a time
         self._lock = threading.RLock()
 
@@ -305,7 +304,7 @@ class StepState:
                 return
             got_all = self._round(state, lambda ch: ch.gather(plan.payload(), _timeout))
         except ChannelFailure as f:
-            text = _failure_text(self.rank, stake, f, what)
+            text = failure_text(self.rank, stake, f, what, _timeout)
             log.error("%s", text)
             raise PlanMismatchError(text) from None
         text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
@@ -343,7 +342,7 @@ class StepState:
                 msg = (failure or "").encode()
                 msgs = self._round(state, lambda ch, m=msg: ch.gather(m, _timeout))
             except ChannelFailure as f:
-                text = _failure_text(self.rank, stake, f, what)
+                text = failure_text(self.rank, stake, f, what, _timeout)
                 log.error("%s", text)
                 errors.append(CollectiveReplayError(text))
                 continue
@@ -387,36 +386,6 @@ class StepState:
         else:
             set_step_hooks(None, None)
 
-    def check(self, group: Any) -> None:
-        """``check_plan_consistency(group)``: one store round among ``group``'s ranks
-        over the full plan since the last check."""
-        import torch.distributed as dist
-
-        plan, self.full = self.full, PlanDigest()
-        name = str(group.group_name)
-        rnd = self._checks.get(name)
-        if rnd is None:
-            ranks = tuple(dist.get_process_group_ranks(group))
-            store = dist.PrefixStore(f"remat_dist/check/{self.namespace}/{name}", self.store)
-            rnd = self._checks[name] = StoreRound(store, ranks, self.rank)
-        what = f"check_plan_consistency() of ranks {list(rnd.ranks)}"
-        try:
-            verdict = rnd.exchange(plan.value(), timeout=_timeout, judge=plans_differ)
-            if verdict is not None:
-                explained = rnd.exchange(plan.payload().decode(), timeout=_timeout)
-        except RoundTimeout as t:
-            failure = ChannelFailure(
-                "timeout" if t.by is None else "aborted", "", missing=t.missing, by=t.by
-            )
-            text = _failure_text(self.rank, rnd.ranks, failure, what)
-            log.error("%s", text)
-            raise PlanMismatchError(text) from None
-        if verdict is None:
-            return
-        text = explain({r: json.loads(v) for r, v in explained.items()}, what)
-        log.error("%s", text)
-        raise PlanMismatchError(text)
-
     def close(self) -> None:
         for state in self.stakes.values():
             if state.channel is not None:
@@ -441,28 +410,6 @@ def _check_tag(got: list[int], tag: int, stake: Stake) -> None:
 def _all_equal(got: list[int], words: list[int]) -> bool:
     n = len(words)
     return all(got[i] == -got[n + i] for i in range(n))
-
-
-def _failure_text(rank: int, stake: Stake, f: ChannelFailure, what: str) -> str:
-    if f.reason == "aborted":
-        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
-        head = (
-            f"rank {rank}: {who} of {list(stake)} did not reach {what} in time "
-            f"(rank {f.by} gave up waiting first)"
-        )
-    elif f.reason == "timeout":
-        who = f"ranks {f.missing}" if f.missing else "some rank(s)"
-        head = f"rank {rank}: {who} of {list(stake)} did not reach {what} within {_timeout:g} s"
-    elif f.reason == "closed":
-        head = f"rank {rank}: {what} could not complete: {f}"
-    else:
-        head = f"rank {rank}: {what} is out of step: {f}"
-    return (
-        f"{head}: they stalled, died, raised earlier in this step, or run another "
-        "number of steps. No rank of them issued a collective of this backward "
-        "after it. Fix the failing rank (its own error says why); raise the bound "
-        "with remat_dist.set_replay_timeout(seconds)."
-    )
 
 
 _state: StepState | None = None
@@ -529,29 +476,3 @@ def mark_step() -> None:
     if dist_ready() and torch.is_grad_enabled():
         current_step().arm()
 
-
-def check_plan_consistency(group: Any = None) -> None:
-    """Compare, now, the full remat plan of the ranks of ``group`` (default: the
-    world): every checkpoint run since this rank's previous call, its regions'
-    decisions and collective modes, and the collectives it recorded per process
-    group — also where no collective is at stake, which the automatic agreements
-    leave alone. A collective call: every rank of ``group`` calls it at the same
-    point; one that does not come within the replay timeout makes the others raise.
-
-    Raises :class:`PlanMismatchError` on every rank of ``group`` unless all ran the
-    same plan, naming the first difference and the ranks. A debugging aid: the
-    agreements that make replay safe run anyway, among the ranks at stake, before
-    backward's first collective. A no-op without a process group.
-    """
-    from remat_dist.core import current_frame
-
-    if current_frame() is not None:
-        raise PlanMismatchError(
-            "remat_dist.check_plan_consistency() was called inside a checkpoint; "
-            "call it between steps (or after the forward), on every rank of the group."
-        )
-    if not dist_ready():
-        return
-    import torch.distributed as dist
-
-    current_step().check(group if group is not None else dist.group.WORLD)

@@ -8,7 +8,7 @@ that framework is installed:
 ``remat_dist.integrations.torchtitan``
     reads torchtitan's activation-checkpoint config (``full``, ``selective`` with
     ``"op"`` or a layer frequency, ``none``) and checkpoints the transformer blocks
-    with :func:`remat_dist.fsdp.apply_remat`, keeping the MoE load-balancing token
+    with :func:`remat_dist.apply_remat`, keeping the MoE load-balancing token
     counts equal to a run without checkpointing. docs/torchtitan.md is the recipe.
 
 ``remat_dist.integrations.transformers``

@@ -2,7 +2,7 @@
 
 A transformers ``PreTrainedModel`` needs two things that ``apply_remat`` cannot
 guess from a plain model, and this adapter supplies both (the composition root,
-``remat_dist/__init__.py``, registers :data:`ADAPTER` with ``remat_dist.fsdp``, so
+``remat_dist/__init__.py``, registers :data:`ADAPTER` with ``remat_dist.wrap``, so
 nothing needs importing by hand):
 
 * **Recomputation must be safe.** With ``use_cache=True`` (the default of every
@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp import BlockSelector
+from remat_dist.wrap import BlockSelector
 
 __all__ = [
     "ADAPTER",
@@ -321,7 +321,7 @@ def prepare_for_recompute(model: nn.Module) -> Callable[[], None]:
 
 
 class TransformersAdapter:
-    """The ``remat_dist.fsdp`` model adapter for transformers models (see the
+    """The ``remat_dist.wrap`` model adapter for transformers models (see the
     module doc); :data:`ADAPTER` is the registered instance."""
 
     name = "transformers"
@@ -365,4 +365,4 @@ class TransformersAdapter:
 
 
 ADAPTER = TransformersAdapter()
-"""Registered with ``remat_dist.fsdp`` by ``remat_dist/__init__.py``."""
+"""Registered with ``remat_dist.wrap`` by ``remat_dist/__init__.py``."""

@@ -15,63 +15,61 @@ Per process (torch_remat's call shapes):
 
 Across ranks: :func:`gather_saved_tensors_report` gathers per-rank summaries into
 a :class:`CrossRankReport` (:func:`aggregate_summaries` is the pure part).
+
+Those are published at ``remat_dist``; ``__all__`` here lists the report's parts
+that only its builders and the side packages use.
 """
 
 from remat_dist.report._accounting import Annotate
 from remat_dist.report._annotate import (
-    clear_memory_snapshot_cache,
-    memory_snapshot_annotate,
+    clear_memory_snapshot_cache as clear_memory_snapshot_cache,
 )
+from remat_dist.report._annotate import (
+    memory_snapshot_annotate as memory_snapshot_annotate,
+)
+from remat_dist.report._cross_rank import CrossRankReport as CrossRankReport
 from remat_dist.report._cross_rank import (
-    CrossRankReport,
     RankTotals,
     RegionStats,
     Stats,
     aggregate_summaries,
-    gather_saved_tensors_report,
+)
+from remat_dist.report._cross_rank import (
+    gather_saved_tensors_report as gather_saved_tensors_report,
 )
 from remat_dist.report._current import (
-    format_current_memory_report,
-    print_current_memory_report,
+    format_current_memory_report as format_current_memory_report,
 )
+from remat_dist.report._current import (
+    print_current_memory_report as print_current_memory_report,
+)
+from remat_dist.report._oom import attach_oom_observer as attach_oom_observer
 from remat_dist.report._oom import (
-    attach_oom_observer,
-    format_oom_saved_tensors_report,
-    oom_observer,
+    format_oom_saved_tensors_report as format_oom_saved_tensors_report,
 )
-from remat_dist.report._roots import discover_autograd_roots
+from remat_dist.report._oom import oom_observer as oom_observer
+from remat_dist.report._roots import discover_autograd_roots as discover_autograd_roots
+from remat_dist.report._saved import SavedTensorsReport, build_saved_tensors_report
 from remat_dist.report._saved import (
-    SavedTensorsReport,
-    build_saved_tensors_report,
-    format_saved_tensors_report,
-    print_saved_tensors_report,
-    saved_tensors_summary,
+    format_saved_tensors_report as format_saved_tensors_report,
 )
-from remat_dist.report._trace import Trace, TraceNode, collect_trace, trace_scope
+from remat_dist.report._saved import (
+    print_saved_tensors_report as print_saved_tensors_report,
+)
+from remat_dist.report._saved import saved_tensors_summary as saved_tensors_summary
+from remat_dist.report._trace import Trace as Trace
+from remat_dist.report._trace import TraceNode
+from remat_dist.report._trace import collect_trace as collect_trace
+from remat_dist.report._trace import trace_scope as trace_scope
 
+# The names above imported "as" themselves are published at remat_dist.
 __all__ = [
     "Annotate",
-    "CrossRankReport",
     "RankTotals",
     "RegionStats",
     "SavedTensorsReport",
     "Stats",
-    "Trace",
     "TraceNode",
     "aggregate_summaries",
-    "attach_oom_observer",
     "build_saved_tensors_report",
-    "clear_memory_snapshot_cache",
-    "collect_trace",
-    "discover_autograd_roots",
-    "format_current_memory_report",
-    "format_oom_saved_tensors_report",
-    "format_saved_tensors_report",
-    "gather_saved_tensors_report",
-    "memory_snapshot_annotate",
-    "oom_observer",
-    "print_current_memory_report",
-    "print_saved_tensors_report",
-    "saved_tensors_summary",
-    "trace_scope",
 ]

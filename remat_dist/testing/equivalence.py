@@ -2,7 +2,7 @@
 
 Remat must be invisible to training: the same seeds must give the same losses,
 gradients and parameters with and without it. The helper builds the model twice
-(same seed), trains one plainly and one with :func:`remat_dist.fsdp.apply_remat`
+(same seed), trains one plainly and one with :func:`remat_dist.apply_remat`
 for ``steps`` optimizer steps, and compares. Bitwise by default: on CPU with
 deterministic ops remat recomputes exactly what the forward computed, so any
 difference is a bug (an RNG not restored on replay, a buffer changed in place, a
@@ -314,7 +314,7 @@ def assert_remat_equivalent(
             ``torch.manual_seed(seed)``.
         inputs: the batch for every step, or a callable ``step -> batch``.
         blocks, policy, recompute_state_hooks, collectives: passed to
-            :func:`remat_dist.fsdp.apply_remat`. Dropout needs the generators it
+            :func:`remat_dist.apply_remat`. Dropout needs the generators it
             draws from in ``recompute_state_hooks`` (or the default set).
         steps: optimizer steps to train.
         loss_fn: ``(model, batch) -> scalar loss`` (default: the sum of the
@@ -332,7 +332,7 @@ def assert_remat_equivalent(
     Returns an :class:`EquivalenceReport`; raises ``AssertionError`` listing the
     tensors that differ (and by how much) otherwise.
     """
-    from remat_dist.fsdp import apply_remat, remat_plan
+    from remat_dist.wrap import apply_remat, remat_plan
 
     def build(with_remat: bool) -> nn.Module:
         torch.manual_seed(seed)

@@ -203,7 +203,7 @@ def test_replan_after_compile(caplog):
     call recompiles with the new plan (apply_remat/remove_remat reset Dynamo)."""
     import logging
 
-    from remat_dist.fsdp import remove_remat
+    from remat_dist import remove_remat
 
     caplog.set_level(logging.INFO, logger="remat_dist")
 

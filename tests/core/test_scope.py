@@ -16,7 +16,7 @@ import torch.utils.checkpoint as tuc
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import remat_dist as remat
-from remat_dist.core.scope import (
+from remat_dist.core._scope import (
     ScopeOutput,
     active_scope_depth,
     gradient_checkpoint_scope,

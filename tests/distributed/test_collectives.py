@@ -710,3 +710,37 @@ def test_op_timeout_bounds_a_collective_no_peer_joins(ctx):
                 dist.all_reduce(torch.ones(2), group=sub)
         assert 0.9 < time.perf_counter() - t0 < 6.0
     ctx.barrier()
+
+
+def test_collectives_are_issued_without_python_saved_tensor_hooks():
+    """What a backend's work captures of the caller's thread state holds no Python
+    object: inside a checkpoint, remat_dist's kernel issues every collective with
+    the saved-tensor hooks stack emptied, and puts it back after. A gloo worker thread that had to take the GIL to free captured hooks
+    could be killed at interpreter exit ("terminate called without an active
+    exception"; ``python -m remat_dist bench --exits --layout forced`` times it)."""
+    from remat_dist.distributed._intercept import _issue_bare
+
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    seen = []
+
+    def redispatch(keyset, *args):
+        seen.append((top(True), keyset, args))
+        return "issued"
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(unpack, pack):
+            assert _issue_bare(redispatch, "keys", (1, 2)) == "issued"
+            assert top(True) == (unpack, pack)
+        assert top(True) == (pack, unpack)
+        assert _issue_bare(redispatch, "keys", ()) == "issued"
+        assert top(True) == (pack, unpack)
+    assert _issue_bare(redispatch, "keys", ()) == "issued"  # nothing to take off
+    assert [s[0] for s in seen] == [None, None, None]
+    assert seen[0][1:] == ("keys", (1, 2))
+    assert top(True) is None

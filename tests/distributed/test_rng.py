@@ -16,7 +16,7 @@ from remat_dist.distributed import (
     install_default_provider,
     rank_device,
 )
-from remat_dist.distributed.rng import (
+from remat_dist.distributed._rng import (
     PHILOX_SNAPSHOT_NBYTES,
     CPURNGStateHook,
     DeviceRNGStateHook,

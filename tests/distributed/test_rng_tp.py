@@ -27,7 +27,7 @@ from torch import nn
 import remat_dist as remat
 from remat_dist.core import _record
 from remat_dist.distributed import default_state_hooks, install_default_provider
-from remat_dist.distributed.rng import DTensorRNGStateHook, GeneratorStateHook
+from remat_dist.distributed._rng import DTensorRNGStateHook, GeneratorStateHook
 from remat_dist.testing import DistContext, distributed
 
 DIM, HEADS, HIDDEN, SEQ, BATCH, BLOCKS = 16, 4, 32, 6, 2, 2

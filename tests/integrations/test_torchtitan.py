@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from remat_dist import apply_remat, remat_plan
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp import apply_remat, remat_plan
 from remat_dist.integrations import torchtitan as tt
+from remat_dist.integrations.torchtitan import _override as tt_override
+from remat_dist.integrations.torchtitan._config import SETTINGS_ATTR
 from tests.integrations import _standin as S
 
 ALL = ["layers.0", "layers.1", "layers.2", "layers.3"]
@@ -57,7 +59,7 @@ def test_right_blocks_and_same_training_as_without_ac(config, blocks, regions, r
     # preserve_rng_state=True -> remat_dist's default RNG hooks (dropout replays)
     assert all(spec.state_hooks is None for spec in plan.values())
     for name in blocks:
-        assert model.get_submodule(name).__dict__[tt.SETTINGS_ATTR].mode in ("full", "selective")
+        assert model.get_submodule(name).__dict__[SETTINGS_ATTR].mode in ("full", "selective")
     # loss, every gradient and the MoE token counts equal the run without AC
     _assert_same(S.train_step(model, steps=2), reference)
 
@@ -172,14 +174,15 @@ def test_remove_ac_restores_the_model(reference):
     tt.remove_ac(model)
     assert remat_plan(model) == {} and tt.guarded_counters(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert all(tt.SETTINGS_ATTR not in m.__dict__ for m in model.modules())
+    assert all(SETTINGS_ATTR not in m.__dict__ for m in model.modules())
     _assert_same(S.train_step(model, steps=2), reference)
 
 
 def test_imports_torchtitan_only_inside_functions():
-    source = Path(tt.__file__).read_text()
     top = [
-        node for node in ast.parse(source).body
+        node
+        for path in Path(tt.__file__).parent.glob("*.py")
+        for node in ast.parse(path.read_text()).body
         if isinstance(node, (ast.Import, ast.ImportFrom))
     ]
     names = [a.name for n in top for a in n.names] + [
@@ -238,7 +241,7 @@ def _fake_torchtitan(monkeypatch: pytest.MonkeyPatch) -> dict:
         "torchtitan.distributed.activation_checkpoint": ac_module,
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(tt, "_override_class", None)
+    monkeypatch.setattr(tt_override, "_override_class", None)
     return registry
 
 

@@ -229,7 +229,7 @@ def test_report_keeps_nothing_alive():
 def test_scope_state_is_counted_and_its_tensors_are_not():
     # weight noise in gradient_checkpoint_scope: the noisy weights are recomputed
     # (autograd keeps recompute handles), the scopes keep their RNG snapshots
-    from remat_dist.core.scope import live_scope_records
+    from remat_dist.core import live_scope_records
 
     torch.manual_seed(0)
     x = torch.randn(16, 64)

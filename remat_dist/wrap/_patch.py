@@ -1,6 +1,6 @@
 """The instance patches behind ``apply_remat``: checkpointed blocks and policy regions.
 
-``apply_remat`` (``remat_dist.fsdp._apply``) decides what to checkpoint; this module
+``apply_remat`` (``remat_dist.wrap._apply``) decides what to checkpoint; this module
 installs and removes the per-instance replacements that do it, and runs them:
 
 * a block gets an instance ``forward`` that runs its previous forward (the
@@ -27,17 +27,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat_dist.core import current_frame, recompute_needs_tensor, region
+from remat_dist.core import (
+    CheckpointRecord,
+    RecomputeStateHook,
+    current_frame,
+    recompute_needs_tensor,
+    region,
+)
 
 __all__ = [
     "BLOCK_ATTR",
     "REGION_ATTR",
+    "BlockRemat",
     "RegionSpec",
     "blocks_with_live_graphs",
     "call_block",
     "install_block",
     "install_region",
     "instance_forward",
+    "patch_state",
+    "restore_patch_state",
     "uninstall",
 ]
 
@@ -46,6 +55,36 @@ BLOCK_ATTR = "_remat_dist_block"
 
 REGION_ATTR = "_remat_dist_region"
 """Instance attribute of a submodule turned into a region: its :class:`RegionSpec`."""
+
+
+@dataclass
+class BlockRemat:
+    """What :func:`apply_remat` did to one block (see :func:`remat_plan`).
+
+    Attributes:
+        name: the block's qualified name; also the checkpoint's ``region_name``.
+        regions: ``{submodule path (relative to the block): "save" | "recompute"}``.
+        state_hooks: the ``recompute_state_hooks`` given to the checkpoint (None:
+            the checkpoint's default set).
+        collectives: the checkpoint's ``collectives`` mode.
+    """
+
+    name: str
+    regions: dict[str, str] = field(default_factory=dict)
+    state_hooks: tuple[RecomputeStateHook, ...] | None = None
+    collectives: str = "replay"
+    previous_forward: Any = field(default=None, repr=False)
+    """The instance ``forward`` the block had before (None: the class's)."""
+    run: Any = field(default=None, repr=False)
+    """The checkpointed ``(module, *args, **kwargs) -> out`` callable."""
+    pending: weakref.WeakSet[CheckpointRecord] = field(
+        default_factory=weakref.WeakSet, repr=False, compare=False
+    )
+    """The block's checkpoint records whose autograd graph is still alive: a
+    backward through them would replay the block as its forward ran it."""
+    replays: int = field(default=0, repr=False, compare=False)
+    """How many replays of this block's checkpoint have run (a backward went
+    through it, whatever tensor it started from)."""
 
 
 @dataclass
@@ -205,6 +244,24 @@ def _restore_forward(module: nn.Module, previous: Any) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.forward = previous
+
+
+_PATCHED = (BLOCK_ATTR, REGION_ATTR, "_call_impl", "forward")
+"""The instance attributes the install functions may set."""
+
+
+def patch_state(module: nn.Module) -> dict[str, Any]:
+    """What the install functions may change on ``module``, to put back exactly
+    with :func:`restore_patch_state` (patches stacked on one module included)."""
+    return {k: module.__dict__[k] for k in _PATCHED if k in module.__dict__}
+
+
+def restore_patch_state(module: nn.Module, state: dict[str, Any]) -> None:
+    for k in _PATCHED:
+        if k in state:
+            module.__dict__[k] = state[k]
+        else:
+            module.__dict__.pop(k, None)
 
 
 def uninstall(module: nn.Module) -> None:

@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from remat_dist.errors import RematUsageError
-from remat_dist.fsdp import (
+from remat_dist import (
     TensorParallelPlan,
     apply_remat,
     reference_tp_plan,
     remat_plan,
     shard_model,
 )
+from remat_dist.errors import RematUsageError
 from remat_dist.models import (
     GPT,
     MLP,
@@ -26,8 +26,8 @@ from remat_dist.models import (
 )
 from remat_dist.testing import dist_context, run_distributed
 from remat_dist.testing.equivalence import assert_remat_equivalent
-from tests.fsdp._rng import cpu_hooks
-from tests.fsdp.test_matrix import CFG, TP_TOL, assert_same, full_result, train
+from tests.shard.test_matrix import CFG, TP_TOL, assert_same, full_result, train
+from tests.wrap._rng import cpu_hooks
 
 CFG0 = dataclasses.replace(CFG, dropout=0.0)
 

@@ -1,6 +1,6 @@
 """``apply_remat(policy=...)``: what each block's checkpoint keeps.
 
-Kept apart from ``remat_dist.fsdp._apply`` (which installs the checkpoints) so the
+Kept apart from ``remat_dist.wrap._apply`` (which installs the checkpoints) so the
 policy language, its validation and its error messages live in one place.
 
 Policies
@@ -30,8 +30,8 @@ a callable ``(qualified_name, module) -> "full" | "none" | dict``
     decided by measurement: the first step profiles every block's candidates
     (full, each set of save regions, none) and the cheapest plan in recompute time
     that fits the budget on every rank is applied from the next step
-    (``remat_dist.fsdp._budget``; ``apply_remat`` handles it, never
-    :func:`resolve_policy`).
+    (``remat_dist.budget``, through ``_planned``; ``apply_remat`` hands it the
+    blocks, never :func:`resolve_policy`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Any, Union
 from torch import nn
 
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp._blocks import strictly_inside
-from remat_dist.fsdp._budget import MemoryBudget
+from remat_dist.wrap._blocks import strictly_inside
+from remat_dist.wrap._planned import PlannedPolicy
 
 __all__ = ["REGION_MODES", "RematPolicy", "resolve_policy"]
 
@@ -54,7 +54,7 @@ RematPolicy = Union[
     int,
     Mapping[str, Any],
     Callable[[str, nn.Module], Union[str, Mapping[str, str]]],
-    MemoryBudget,
+    PlannedPolicy,
 ]
 """What ``policy=`` accepts (see the module docstring)."""
 
@@ -64,7 +64,7 @@ def resolve_policy(
 ) -> dict[str, str] | None:
     """The region map for one block, or None to leave it alone."""
     where = f"remat_dist.apply_remat(policy=...) for block {name!r}"
-    if isinstance(policy, MemoryBudget):
+    if isinstance(policy, PlannedPolicy):
         raise RematUsageError(
             f"{where}: a MemoryBudget decides for the whole model, not per block. "
             "Fix: pass it as apply_remat(model, blocks=..., policy=MemoryBudget(...)), "
@@ -96,7 +96,7 @@ def resolve_policy(
         return _check_regions(regions, name, module)
     if callable(policy):
         decided = policy(name, module)
-        if isinstance(decided, MemoryBudget):
+        if isinstance(decided, PlannedPolicy):
             return resolve_policy(decided, index, name, module)  # raises
         if isinstance(decided, Mapping) and "every" in decided:
             raise RematUsageError(

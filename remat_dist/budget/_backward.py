@@ -1,5 +1,5 @@
 """When a backward through a model's output ends, and what that output holds: the
-memory-budget planner installs its plan there (``remat_dist.fsdp._budget``).
+memory-budget planner installs its plan there (``remat_dist.budget._planner``).
 Outputs are any pytree, dataclasses and mappings included (a ``ModelOutput``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The memory-budget planner's measurements: saved bytes and recompute time of each
-candidate of a block, taken in the profiling step (see ``remat_dist.fsdp._budget``).
+candidate of a block, taken in the profiling step (see ``remat_dist.budget._planner``).
 
 * :class:`Counter` counts saved bytes as ``remat_dist.testing.SavedBytesCounter``
   does (unique storages, parameters apart); around the model's forward it chains to
@@ -27,15 +27,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat_dist.core import (
-    checkpoint,
-    current_saved_tensor_info,
-    plain,
-    saved_tensors_hooks,
-)
+from remat_dist.core import current_saved_tensor_info, plain, saved_tensors_hooks
 from remat_dist.distributed import CPURNGStateHook, default_state_hooks
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp._patch import REGION_ATTR, call_block, install_region
+from remat_dist.wrap import BlockInstaller, call_block
 
 __all__ = [
     "DEFAULT_REGION_NAMES",
@@ -255,23 +250,23 @@ def _rng_hooks(state_hooks: Sequence[Any] | None) -> list[Any]:
 
 
 def profile_block(
-    name: str,
-    module: nn.Module,
+    installer: BlockInstaller,
+    index: int,
     cands: list[Candidate],
     args: tuple,
     kwargs: dict,
     *,
     params: set[Any],
-    state_hooks: tuple[Any, ...] | None,
-    collectives: str,
     repeats: int,
 ) -> dict[str, tuple[int, float]]:
     """``{decision: (saved bytes, recompute seconds)}`` of each candidate of block
-    ``name``, from side passes (their graphs dropped at once) on fresh copies of
-    its tensor inputs, so that in-place updates of an input stay in the copy. When
-    it returns, the RNG states and the block's buffers (its submodules' included:
-    BatchNorm statistics, token counters) are as they were before."""
-    hooks = _rng_hooks(state_hooks)
+    ``index`` of ``installer``, from side passes (their graphs dropped at once) on
+    fresh copies of its tensor inputs, so that in-place updates of an input stay in
+    the copy. When it returns, the RNG states and the block's buffers (its
+    submodules' included: BatchNorm statistics, token counters) are as they were
+    before."""
+    name, module = installer.blocks[index]
+    hooks = _rng_hooks(installer.state_hooks)
     snaps = [h.snapshot() for h in hooks]
     buffers = _snapshot_buffers(module)
     inputs = (args, kwargs)
@@ -285,28 +280,15 @@ def profile_block(
 
     row: dict[str, tuple[int, float]] = {}
     try:
-        run = checkpoint(
-            region_name=f"{name}[budget profile]",
-            recompute_state_hooks=state_hooks,
-            collectives=collectives,
-        )(call_block)
+        run = installer.runner(f"{name}[budget profile]")
         for cand in cands:
             a, kw = restore()
             with Counter(params, chain=False) as count:
                 if cand.regions is None:
                     out = call_block(module, *a, **kw)
                 else:
-                    patched = []
-                    try:
-                        for path in cand.regions:
-                            sub = module.get_submodule(path)
-                            patched.append((sub, _patch_state(sub)))
-                            install_region(sub, path, "save", block=name)
+                    with installer.regions_kept(index, cand.regions):
                         out = run(module, *a, **kw)
-                    finally:
-                        # exactly as before, whatever failed (LIFO: a patch over a patch)
-                        for sub, before in reversed(patched):
-                            _put_back(sub, before)
             del out, a, kw
             row[cand.label] = (count.total, 0.0)
         paths = sorted({p for c in cands for p in (c.regions or ())})
@@ -320,22 +302,6 @@ def profile_block(
             t = max(0.0, block_s - sum(region_s[p] for p in cand.regions))
         row[cand.label] = (row[cand.label][0], t)
     return row
-
-
-_PATCH_KEYS = (REGION_ATTR, "_call_impl", "forward")
-
-
-def _patch_state(sub: nn.Module) -> dict[str, Any]:
-    """The instance attributes :func:`install_region` may set on ``sub``."""
-    return {k: sub.__dict__[k] for k in _PATCH_KEYS if k in sub.__dict__}
-
-
-def _put_back(sub: nn.Module, before: dict[str, Any]) -> None:
-    for k in _PATCH_KEYS:
-        if k in before:
-            sub.__dict__[k] = before[k]
-        else:
-            sub.__dict__.pop(k, None)
 
 
 def _snapshot_buffers(module: nn.Module) -> list[list[Any]]:

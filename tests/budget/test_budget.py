@@ -3,7 +3,7 @@ GPT (6 blocks, dropout) under three budgets between full recompute and no
 checkpointing: saved bytes within the budget, gradients bitwise those of no
 checkpointing (the profiling step's too), a larger budget never gives a slower plan.
 
-The distributed half (2 gloo ranks, unequal batches) is tests/fsdp/test_budget_dist.py.
+The distributed half (2 gloo ranks, unequal batches) is tests/budget/test_budget_dist.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 import remat_dist as remat
+from remat_dist import apply_remat, current_plan, remat_plan, remove_remat
+from remat_dist.budget import parse_bytes
+from remat_dist.budget._solver import brute_force, plan_cost, solve
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp import apply_remat, current_plan, remat_plan, remove_remat
-from remat_dist.fsdp._budget import BUDGET_ATTR, parse_bytes
-from remat_dist.fsdp._budget_solver import brute_force, plan_cost, solve
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter
+from remat_dist.wrap import PLANNER_ATTR, BlockInstaller
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=6, dropout=0.1)
 STEPS = 3  # the profiling step and two under the plan
@@ -109,7 +110,7 @@ def test_solver_equals_brute_force_on_random_tables():
 
 
 def test_solver_thins_large_frontiers_and_stays_feasible(monkeypatch):
-    import remat_dist.fsdp._budget_solver as solver
+    import remat_dist.budget._solver as solver
 
     monkeypatch.setattr(solver, "MAX_FRONTIER", 8)
     rng = random.Random(1)
@@ -215,7 +216,7 @@ def test_regions_override_and_errors():
     run_steps(model, make_batch(CFG, 2, seed=0), steps=1)
     assert list(current_plan(model).blocks[0].candidates) == ["full", "save mlp", "none"]
     remove_remat(model)
-    assert BUDGET_ATTR not in model.__dict__ and remat_plan(model) == {}
+    assert PLANNER_ATTR not in model.__dict__ and remat_plan(model) == {}
     with pytest.raises(RematUsageError, match="has no MemoryBudget"):
         current_plan(model)
     with pytest.raises(RematUsageError, match=r"block 'layers.0' \(Block\) has no submodule 'mlpp'"):
@@ -299,7 +300,7 @@ def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
     runs the plan; gradients bitwise those without remat, in this step and the
     next. The recompute times are fixed (a block 1.0, its attention 0.6, its MLP
     0.3), so that the plan saves regions whatever this machine's load."""
-    from remat_dist.fsdp import _budget_profile
+    from remat_dist.budget import _profile as _budget_profile
 
     monkeypatch.setattr(
         _budget_profile, "_time_block",
@@ -317,11 +318,11 @@ def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
         torch.manual_seed(seed)
         l1, l2 = loss_of(model, micro[0]), loss_of(model, micro[1])
         l1.backward()
-        plans.append(model.__dict__.get(BUDGET_ATTR) and current_plan(model))
+        plans.append(model.__dict__.get(PLANNER_ATTR) and current_plan(model))
         l3 = loss_of(model, micro[2])
         l2.backward()
         l3.backward()
-        plans.append(model.__dict__.get(BUDGET_ATTR) and current_plan(model))
+        plans.append(model.__dict__.get(PLANNER_ATTR) and current_plan(model))
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         return grads
@@ -360,11 +361,11 @@ def test_loss_from_an_intermediate_installs_the_plan_once(monkeypatch):
     returned logits require grad and are dropped. No backward goes through the
     output, but the blocks' replays show one ran: the plan is installed at the next
     forward (not re-profiled every step); gradients bitwise those without remat."""
-    from remat_dist.fsdp import _budget_profile
+    from remat_dist.budget import _profile as _budget_profile
 
     calls = []
     profile = _budget_profile.profile_block
-    monkeypatch.setattr("remat_dist.fsdp._budget.profile_block",
+    monkeypatch.setattr("remat_dist.budget._planner.profile_block",
                         lambda *a, **k: calls.append(1) or profile(*a, **k))
     tokens, _ = make_batch(CFG, 2, seed=0)
 
@@ -546,7 +547,7 @@ def test_profiling_passes_leave_buffers_and_inputs_alone():
     """The side passes run on copies of the inputs and put the block's buffers
     back: BatchNorm statistics and counters as under the "full" policy (whose
     replay updates them once more, a torch.utils.checkpoint behaviour)."""
-    from remat_dist.fsdp._budget_profile import candidates, profile_block
+    from remat_dist.budget._profile import candidates, profile_block
 
     x = torch.randn(8, 16)
     full, budget = _net("full", bn=True), _net(remat.MemoryBudget(bytes="10MiB"), bn=True)
@@ -571,8 +572,9 @@ def test_profiling_passes_leave_buffers_and_inputs_alone():
     apply_remat(torch.nn.Sequential(block), blocks=AddIn, policy="full")
     h = torch.randn(4, 16, requires_grad=True) * 1.0  # a non-leaf, as in a model
     before = h.detach().clone()
-    row = profile_block("b", block, candidates("b", block, None), (h,), {},
-                        params=set(), state_hooks=None, collectives="replay", repeats=1)
+    installer = BlockInstaller([("b", block)], None, "replay", "none")
+    row = profile_block(installer, 0, candidates("b", block, None), (h,), {},
+                        params=set(), repeats=1)
     assert set(row) == {"full", "save mlp", "none"}
     assert torch.equal(h, before) and h._version == 0
     assert block.scale._version == 0  # an untouched buffer is not written back
@@ -670,7 +672,7 @@ def test_infeasible_message_names_the_smallest_plan():
 
 
 def test_plan_mismatch_keeps_raising(monkeypatch):
-    import remat_dist.fsdp._budget as budget_mod
+    import remat_dist.budget._planner as budget_mod
     from remat_dist.errors import PlanMismatchError
 
     model = _net(remat.MemoryBudget(bytes="1MiB"))

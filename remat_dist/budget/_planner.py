@@ -4,7 +4,9 @@ The life of a model under a budget (one state object on the model, see
 :class:`_BudgetState`):
 
 1. ``apply_remat`` checkpoints every selected block with full recompute and
-   attaches the planner (a forward pre-hook and a forward hook on the model).
+   attaches the planner (a forward pre-hook and a forward hook on the model); the
+   planner changes blocks only through the ``BlockInstaller`` it was given
+   (``remat_dist.wrap``), and its life is a :class:`BudgetPhase`.
 2. **Profiling step** (the first grad-enabled forward of the model). The step
    trains normally: every block runs its full-recompute checkpoint, so the
    gradients are those of any other plan. Before it does, each block also runs
@@ -40,7 +42,7 @@ The life of a model under a budget (one state object on the model, see
    (the loss kept elsewhere) has no backward to wait for: the plan is installed
    at the next grad-enabled forward. The next grad-enabled forward is counted once
    more, and a rank whose real bytes exceed the budget logs a warning.
-   From then on the plan is fixed; the per-step plan agreement
+   From then on the plan is fixed; the agreement among the ranks at stake
    (``remat_dist.distributed._step``) checks each step as for any other policy.
 
 Cost of the profiling step: per block ``2**r + 1`` extra forwards under the counter
@@ -50,6 +52,7 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import json
@@ -63,94 +66,89 @@ import torch
 from torch import nn
 
 from remat_dist._logging import get_logger
-from remat_dist.distributed import all_gather_objects, dist_ready
-from remat_dist.errors import PlanMismatchError, RematUsageError
-from remat_dist.fsdp._budget_backward import (
-    at_end_of_backward,
-    input_shapes,
-)
-from remat_dist.fsdp._budget_config import BlockPlan, BudgetPlan, MemoryBudget
-from remat_dist.fsdp._budget_profile import (
-    DEFAULT_REGION_NAMES,
+from remat_dist.budget._backward import at_end_of_backward, input_shapes
+from remat_dist.budget._config import BlockPlan, BudgetPlan, MemoryBudget
+from remat_dist.budget._profile import (
     Candidate,
     Counter,
     candidates,
     human,
     param_keys,
-    parse_bytes,
     profile_block,
 )
-from remat_dist.fsdp._budget_solver import solve
-from remat_dist.fsdp._patch import BLOCK_ATTR, REGION_ATTR, uninstall
+from remat_dist.budget._solver import solve
+from remat_dist.distributed import all_gather_objects, dist_ready
+from remat_dist.errors import PlanMismatchError, RematUsageError
+from remat_dist.wrap import BlockInstaller, planner_of
 
-__all__ = [
-    "BUDGET_ATTR",
-    "DEFAULT_REGION_NAMES",
-    "BlockPlan",
-    "BudgetPlan",
-    "MemoryBudget",
-    "attach_budget",
-    "current_plan",
-    "detach_budget",
-    "parse_bytes",
-]
+__all__ = ["BudgetPhase", "current_plan", "prepare"]
 
 log = get_logger(__name__)
 
-BUDGET_ATTR = "_remat_dist_budget"
-"""Instance attribute of a model under a :class:`MemoryBudget`: its planner state."""
 
-# -- the state on the model -------------------------------------------------------
+class BudgetPhase(enum.Enum):
+    """Where a model under a :class:`MemoryBudget` is in its life."""
+
+    PROFILE = "profile"
+    """The next grad-enabled forward profiles the blocks."""
+    PROFILING = "profiling"
+    """That forward runs: each block's side passes, then its real pass."""
+    WAIT_BACKWARD = "wait for backward"
+    """Planned; the plan is installed when a backward through the profiling step
+    ends (more micro-batches of that step run full recompute until then)."""
+    WAIT_FORWARD = "wait for forward"
+    """Planned; the profiling forward's output had nothing to backpropagate: the
+    plan is installed at the next grad-enabled forward."""
+    VERIFY = "verify"
+    """Installed; the next grad-enabled forward is counted once more."""
+    PLANNED = "planned"
+    """The plan runs, fixed."""
+    FAILED = "failed"
+    """The planner cannot go on: every later grad-enabled forward raises ``error``."""
+    REMOVED = "removed"
+    """``remove_remat`` detached it (a plan pending at a backward's end is dropped)."""
 
 
 @dataclass
-class _BudgetState:
+class _Planner:
+    """The planner attached to one model (``remat_dist.wrap.Planner``)."""
+
     budget: MemoryBudget
-    blocks: list[tuple[str, nn.Module]]
+    installer: BlockInstaller
     candidates: list[list[Candidate]]
-    install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None]
-    state_hooks: tuple[Any, ...] | None
-    collectives: str
-    side_passes: Callable[[], Any] | None = None  # a model adapter's context
-    phase: str = "profile"  # profile | profiling | pending | verify | planned | failed
+    phase: BudgetPhase = BudgetPhase.PROFILE
     counter: Counter | None = None
     params: set[Any] = field(default_factory=set)
     table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # per block, in the profiling forward
     plan: BudgetPlan | None = None
-    install_next: bool = False  # "pending" with no backward to wait for
-    error: Exception | None = None  # "failed": raised again by every later forward
+    error: Exception | None = None
     handles: list[Any] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # profiling inputs
-    # the profiling forward's block records (alive while its graph is) and whether
-    # a backward through a forward since has started: both empty/False means that
-    # forward was dropped without backward, and the next one profiles again
     profile_graph: weakref.WeakSet[Any] | None = None
+    """The profiling forward's block records, alive while its graph is; with
+    ``backward_seen`` False, an empty set means that forward was dropped without a
+    backward, and the next forward profiles again."""
     backward_seen: bool = False
-    replays_at_profile: int = 0  # the blocks' replay count when it was planned
+    replays_at_profile: int = 0
+
+    def detach(self) -> None:
+        self.phase = BudgetPhase.REMOVED
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def go(self, phase: BudgetPhase) -> None:
+        self.phase = phase
 
 
-def attach_budget(
-    model: nn.Module,
-    blocks: list[tuple[str, nn.Module]],
-    budget: MemoryBudget,
-    *,
-    install: Callable[[list[tuple[str, nn.Module, dict[str, str]]]], None],
-    state_hooks: tuple[Any, ...] | None,
-    collectives: str,
-    side_passes: Callable[[], Any] | None = None,
-) -> Callable[[], None]:
-    """Check the budget's regions against ``blocks`` (raising before anything
-    changes) and return the call that attaches the planner, once ``apply_remat``
-    has checkpointed every block with full recompute. ``install(plans)`` rebuilds
-    checkpoints (``(name, block, regions)`` each) as ``apply_remat`` does;
-    ``side_passes()`` (a model adapter's) is the context the profiling side passes
-    run in."""
-    if BUDGET_ATTR in model.__dict__:
-        raise RematUsageError(
-            "remat_dist.apply_remat: the model already has a MemoryBudget. Fix: call "
-            "remat_dist.fsdp.remove_remat(model) first."
-        )
+def prepare(
+    budget: MemoryBudget, model: nn.Module, installer: BlockInstaller
+) -> Callable[[], _Planner]:
+    """Check the budget's regions against the installer's blocks (raising before
+    anything changes) and return the call that attaches the planner, once
+    ``apply_remat`` has checkpointed every block with full recompute."""
+    blocks = installer.blocks
     cands = [candidates(name, module, budget.regions) for name, module in blocks]
     owners: dict[int, str] = {}
     for (name, module), cs in zip(blocks, cands):
@@ -164,30 +162,17 @@ def attach_budget(
                     "would make it a region twice. Fix: give each block its own "
                     "submodule, or pass regions=... without it."
                 )
-    state = _BudgetState(
-        budget, list(blocks), cands, install, state_hooks, collectives, side_passes
-    )
+    state = _Planner(budget, installer, cands)
 
-    def attach() -> None:
-        model.__dict__[BUDGET_ATTR] = state
+    def attach() -> _Planner:
         state.handles = [
-            model.register_forward_pre_hook(_pre_hook, prepend=True),
-            model.register_forward_hook(_post_hook, always_call=True),
+            model.register_forward_pre_hook(functools.partial(_pre_hook, state), prepend=True),
+            model.register_forward_hook(functools.partial(_post_hook, state), always_call=True),
         ]
-        for index, (_, module) in enumerate(blocks):
-            spec = module.__dict__[BLOCK_ATTR]
-            spec.run = _profiled(state, index, spec.run)
+        installer.wrap_runs(functools.partial(_profiled, state))
+        return state
 
     return attach
-
-
-def detach_budget(model: nn.Module) -> None:
-    """Forget the planner (``remove_remat``); the checkpoints are removed apart."""
-    state = model.__dict__.pop(BUDGET_ATTR, None)
-    if state is not None:
-        state.phase = "removed"  # a plan pending at the end of a backward: dropped
-        for h in state.handles:
-            h.remove()
 
 
 def current_plan(model: nn.Module) -> BudgetPlan | None:
@@ -195,32 +180,30 @@ def current_plan(model: nn.Module) -> BudgetPlan | None:
     decision, its bytes and its recompute time (maxima over ranks). None until the
     plan is installed (at the end of the profiling step's backward). Raises
     :class:`RematUsageError` when ``model`` has no memory budget."""
-    state = model.__dict__.get(BUDGET_ATTR)
-    if state is None:
+    state = planner_of(model)
+    if not isinstance(state, _Planner):
         raise RematUsageError(
             f"remat_dist.current_plan: {type(model).__name__} has no MemoryBudget. "
             "Fix: apply_remat(model, blocks=..., policy=MemoryBudget(bytes=...))."
         )
-    return state.plan if state.phase in ("verify", "planned") else None
+    return state.plan if state.phase in (BudgetPhase.VERIFY, BudgetPhase.PLANNED) else None
 
 
 # -- hooks ------------------------------------------------------------------------
 
 
-def _pre_hook(model: nn.Module, args: Any) -> None:
-    state: _BudgetState = model.__dict__[BUDGET_ATTR]
+def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
     if not torch.is_grad_enabled():
         return
-    if state.phase == "failed":
+    if state.phase is BudgetPhase.FAILED:
         assert state.error is not None
         raise type(state.error)(str(state.error))
     if (
-        state.phase == "pending"
-        and not state.install_next
+        state.phase is BudgetPhase.WAIT_BACKWARD
         and not state.backward_seen
         and not state.profile_graph
     ):
-        if _replays(state) > state.replays_at_profile:
+        if state.installer.replays() > state.replays_at_profile:
             # a backward replayed the blocks without going through the output (a
             # loss taken from an intermediate): it has ended, install now
             _install_plan(state)
@@ -229,26 +212,24 @@ def _pre_hook(model: nn.Module, args: Any) -> None:
                 "MemoryBudget: the profiling forward was dropped without a backward "
                 "(a sanity forward with grad enabled?); this forward profiles again"
             )
-            state.phase, state.plan = "profile", None
-    if state.phase == "pending" and state.install_next:
-        _install_plan(state)  # the profiling forward's output had no grad to wait for
-    # "pending": no backward through the profiling step has ended yet (more
-    # micro-batches of that step): they run full recompute, like its first forward.
-    if state.phase in ("profile", "verify"):
-        if state.phase == "profile":
-            state.phase = "profiling"
-            state.shapes = input_shapes(args)
-            state.table = [{} for _ in state.blocks]
-            state.calls = [0 for _ in state.blocks]
+            state.go(BudgetPhase.PROFILE)
+            state.plan = None
+    if state.phase is BudgetPhase.WAIT_FORWARD:
+        _install_plan(state)
+    if state.phase is BudgetPhase.PROFILE:
+        state.go(BudgetPhase.PROFILING)
+        state.shapes = input_shapes(args)
+        state.table = [{} for _ in state.installer.blocks]
+        state.calls = [0 for _ in state.installer.blocks]
+    if state.phase in (BudgetPhase.PROFILING, BudgetPhase.VERIFY):
         state.params = param_keys(model)
         state.counter = Counter(state.params, chain=True)
         state.counter.__enter__()
 
 
-def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
-    state: _BudgetState = model.__dict__[BUDGET_ATTR]
+def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
-    if state.phase == "pending" and torch.is_grad_enabled():
+    if state.phase is BudgetPhase.WAIT_BACKWARD and torch.is_grad_enabled():
         # the plan waits for a backward to end; this forward's backward may be the
         # first (the profiling forward's output was kept without one)
         at_end_of_backward(
@@ -257,36 +238,18 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     if counter is None:
         return
     counter.__exit__(None, None, None)
-    if state.phase == "verify":
-        state.phase = "planned"
-        assert state.plan is not None
-        state.plan.measured_bytes = counter.total
-        if counter.total > state.budget.bytes:
-            shapes = input_shapes(args)
-            cause = (
-                f"the plan was made from the first grad-enabled forward, whose "
-                f"inputs had shapes {state.shapes}, and this one's are {shapes} "
-                "(a sanity or validation forward with grad enabled on another "
-                "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
-                "on the training batch (remove_remat(model), then apply_remat)."
-                if shapes != state.shapes
-                else "the blocks share storages with the rest of the model, which "
-                "per-block measurement misses. Fix: a smaller budget leaves room."
-            )
-            log.warning(
-                "MemoryBudget: this rank saved %s in the first step under the plan, "
-                "over the budget of %s (predicted %s): %s",
-                human(counter.total), human(state.budget.bytes),
-                human(state.plan.predicted_bytes), cause,
-            )
+    if state.phase is BudgetPhase.VERIFY:
+        state.go(BudgetPhase.PLANNED)
+        _check_measured(state, counter.total, args)
         return
-    if state.phase != "profiling":
+    if state.phase is not BudgetPhase.PROFILING:
         return
     # an always-called hook: after a forward that raised, from inside its handler
     if output is None and sys.exc_info()[0] is not None:
-        state.phase = "profile"  # profile the next step instead
+        state.go(BudgetPhase.PROFILE)  # profile the next step instead
         return
-    unused = [name for (name, _), n in zip(state.blocks, state.calls) if n == 0]
+    blocks = state.installer.blocks
+    unused = [name for (name, _), n in zip(blocks, state.calls) if n == 0]
     if unused:
         shown = ", ".join(repr(n) for n in unused[:8]) + (", ..." if len(unused) > 8 else "")
         _fail(state, output, RematUsageError(
@@ -303,42 +266,62 @@ def _post_hook(model: nn.Module, args: Any, output: Any) -> None:
     try:
         _plan(state, outside)
     except PlanMismatchError as e:
-        state.phase, state.error = "failed", e  # later forwards raise it again
+        state.go(BudgetPhase.FAILED)  # later forwards raise it again
+        state.error = e
         raise
     except RematUsageError as e:
         _fail(state, output, e)
         return
-    state.phase = "pending"
     state.backward_seen = False
-    state.replays_at_profile = _replays(state)
-    state.profile_graph = weakref.WeakSet(
-        r for _, m in state.blocks for r in m.__dict__[BLOCK_ATTR].pending
-    )
-    if not at_end_of_backward(
+    state.replays_at_profile = state.installer.replays()
+    state.profile_graph = weakref.WeakSet(state.installer.live_records())
+    if at_end_of_backward(
         output, functools.partial(_install_plan, state), _backward_seen(state)
     ):
+        state.go(BudgetPhase.WAIT_BACKWARD)
+    else:
         # no tensor of the output requires grad: a backward, if any, goes through
         # something else (a loss kept on the model); before the next forward
-        state.install_next = True
+        state.go(BudgetPhase.WAIT_FORWARD)
 
 
-def _replays(state: _BudgetState) -> int:
-    """Replays run so far by the blocks' checkpoints."""
-    return sum(m.__dict__[BLOCK_ATTR].replays for _, m in state.blocks if BLOCK_ATTR in m.__dict__)
+def _check_measured(state: _Planner, total: int, args: Any) -> None:
+    """The first step under the plan, counted: warn when it is over budget."""
+    assert state.plan is not None
+    state.plan.measured_bytes = total
+    if total <= state.budget.bytes:
+        return
+    shapes = input_shapes(args)
+    cause = (
+        f"the plan was made from the first grad-enabled forward, whose "
+        f"inputs had shapes {state.shapes}, and this one's are {shapes} "
+        "(a sanity or validation forward with grad enabled on another "
+        "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
+        "on the training batch (remove_remat(model), then apply_remat)."
+        if shapes != state.shapes
+        else "the blocks share storages with the rest of the model, which "
+        "per-block measurement misses. Fix: a smaller budget leaves room."
+    )
+    log.warning(
+        "MemoryBudget: this rank saved %s in the first step under the plan, "
+        "over the budget of %s (predicted %s): %s",
+        human(total), human(state.budget.bytes),
+        human(state.plan.predicted_bytes), cause,
+    )
 
 
-def _backward_seen(state: _BudgetState) -> Callable[[], None]:
+def _backward_seen(state: _Planner) -> Callable[[], None]:
     def seen() -> None:
         state.backward_seen = True
 
     return seen
 
 
-def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
+def _fail(state: _Planner, output: Any, error: Exception) -> None:
     """The planner cannot go on: raise ``error`` at the end of the profiling step's
     backward (its gradients are complete), or now when no backward will come; every
     later grad-enabled forward raises it again (``_pre_hook``)."""
-    state.phase = "failed"
+    state.go(BudgetPhase.FAILED)
     state.error = error
 
     def fail() -> None:
@@ -351,14 +334,16 @@ def _fail(state: _BudgetState, output: Any, error: Exception) -> None:
 # -- profiling --------------------------------------------------------------------
 
 
-def _profiled(state: _BudgetState, index: int, run: Any) -> Any:
+def _profiled(state: _Planner, index: int, run: Any) -> Any:
+    installer = state.installer
+
     def profiled_run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if state.phase == "profiling" and torch.is_grad_enabled():
-            with state.side_passes() if state.side_passes else contextlib.nullcontext():
+        if state.phase is BudgetPhase.PROFILING and torch.is_grad_enabled():
+            side = installer.side_passes() if installer.side_passes else contextlib.nullcontext()
+            with side:
                 row = profile_block(
-                    state.blocks[index][0], module, state.candidates[index], args,
-                    kwargs, params=state.params, state_hooks=state.state_hooks,
-                    collectives=state.collectives, repeats=state.budget.repeats,
+                    installer, index, state.candidates[index], args, kwargs,
+                    params=state.params, repeats=state.budget.repeats,
                 )
             # a block called more than once per forward (shared weights): every
             # call saves and recomputes under the same decision, so the costs add
@@ -376,7 +361,7 @@ def _profiled(state: _BudgetState, index: int, run: Any) -> Any:
 # -- planning ---------------------------------------------------------------------
 
 
-def _plan(state: _BudgetState, outside: int) -> None:
+def _plan(state: _Planner, outside: int) -> None:
     labels = [[c.label for c in cands] for cands in state.candidates]
     mine = {
         "outside": outside,
@@ -428,7 +413,7 @@ def _plan(state: _BudgetState, outside: int) -> None:
         assert found is not None  # feasible: checked above
         choice = found
     blocks = []
-    for b, ((name, _), cands) in enumerate(zip(state.blocks, state.candidates)):
+    for b, ((name, _), cands) in enumerate(zip(state.installer.blocks, state.candidates)):
         cand = cands[choice[b]]
         w, t = costs[b][choice[b]]
         regions = None if cand.regions is None else {p: "save" for p in cand.regions}
@@ -468,19 +453,14 @@ def _describe_least(labels: list[str]) -> str:
     return "each block at its fewest bytes: " + ", ".join(parts)
 
 
-def _install_plan(state: _BudgetState) -> None:
+def _install_plan(state: _Planner) -> None:
     """Rebuild the blocks' checkpoints as the plan says; the next grad-enabled
     forward is counted once more (``BudgetPlan.measured_bytes``)."""
     plan = state.plan
     assert plan is not None
-    if state.phase != "pending":
+    if state.phase not in (BudgetPhase.WAIT_BACKWARD, BudgetPhase.WAIT_FORWARD):
         return
-    state.phase = "verify"
-    plans = []
-    for (name, module), bp in zip(state.blocks, plan.blocks):
-        for _, sub in module.named_modules():
-            if REGION_ATTR in sub.__dict__ or BLOCK_ATTR in sub.__dict__:
-                uninstall(sub)
-        if bp.regions is not None:
-            plans.append((name, module, dict(bp.regions)))
-    state.install(plans)
+    state.go(BudgetPhase.VERIFY)
+    state.installer.install(
+        {bp.name: None if bp.regions is None else dict(bp.regions) for bp in plan.blocks}
+    )

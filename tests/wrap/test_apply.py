@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+import remat_dist as remat
+from remat_dist import apply_remat, remat_plan, remove_remat
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp import apply_remat, remat_plan, remove_remat
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing.equivalence import assert_remat_equivalent
-from tests.fsdp._rng import cpu_hooks
+from tests.wrap._rng import cpu_hooks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2, dropout=0.1)
 BATCH = make_batch(CFG, 2, seed=0)
@@ -183,10 +184,14 @@ def test_deepcopy_rebinds_to_the_copy():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_state_hooks_is_a_deprecated_alias():
-    model = GPT(CFG)
-    with pytest.warns(DeprecationWarning, match="recompute_state_hooks"):
-        apply_remat(model, blocks=Block, state_hooks=())
-    assert all(spec.state_hooks == () for spec in remat_plan(model).values())
-    with pytest.raises(RematUsageError, match="recompute_state_hooks only"):
-        apply_remat(GPT(CFG), blocks=Block, state_hooks=(), recompute_state_hooks=())
+def test_the_never_released_aliases_are_gone():
+    # state_hooks= (apply_remat), collectives="verify" and verify_plan= were
+    # deprecated in a version that was never released: they are refused now
+    with pytest.raises(TypeError, match="state_hooks"):
+        apply_remat(GPT(CFG), blocks=Block, state_hooks=())
+    with pytest.raises(RematUsageError, match="collectives must be one of"):
+        remat.checkpoint(region_name="old", collectives="verify")
+    with pytest.raises(RematUsageError, match="unsupported option"):
+        remat.checkpoint(region_name="old", verify_plan=True)
+
+

@@ -16,7 +16,7 @@ without ``blocks=`` and without preparing it by hand:
   side passes run in, so that what the library records of a forward (transformers'
   ``output_router_logits``, say) sees the real pass only.
 
-The fsdp layer only holds the seam. The adapters live in
+The wrapping layer only holds the seam. The adapters live in
 ``remat_dist.integrations`` and are attached by the composition root
 (``remat_dist/__init__.py``), which imports every layer; an adapter must not
 import its library at module level (``import remat_dist`` works without it).
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-from remat_dist.fsdp._blocks import BlockSelector
+from remat_dist.wrap._blocks import BlockSelector
 
 __all__ = ["ModelAdapter", "adapter_for", "register_model_adapter"]
 

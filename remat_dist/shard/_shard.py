@@ -2,9 +2,9 @@
 
 Order of work, the one torchtitan uses: tensor-parallel ``parallelize_module`` on
 the TP sub-mesh, then ``fully_shard`` on each block, then on the root. Activation
-checkpointing applied by :func:`remat_dist.fsdp.apply_remat` may come before or
+checkpointing applied by :func:`remat_dist.apply_remat` may come before or
 after: it changes neither module types nor hooks that TP or FSDP2 install (see
-``remat_dist.fsdp._apply``), so both orders give the same model; the one layout
+``remat_dist.wrap._apply``), so both orders give the same model; the one layout
 that cannot work (a checkpointed module that contains FSDP units) is refused
 whichever call comes second.
 
@@ -32,13 +32,18 @@ import torch
 from torch import nn
 
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp._apply import check_no_fsdp_inside, checkpointed_names
-from remat_dist.fsdp._blocks import BlockSelector, select_blocks, strictly_inside
-from remat_dist.fsdp._tp_plan import (
+from remat_dist.shard._tp_plan import (
     SEQUENCE,
     TensorParallelPlan,
     TPPlanLike,
     normalize_plan,
+)
+from remat_dist.wrap import (
+    BlockSelector,
+    check_no_fsdp_inside,
+    checkpointed_names,
+    select_blocks,
+    strictly_inside,
 )
 
 __all__ = ["shard_model"]
@@ -86,7 +91,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
                 raise RematUsageError(
                     "remat_dist.shard_model: the 1-D mesh is named 'tp' but no "
                     "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                    "remat_dist.fsdp.reference_tp_plan()), or name the dim 'dp' to "
+                    "remat_dist.reference_tp_plan()), or name the dim 'dp' to "
                     "shard with FSDP2 only."
                 )
             return None, mesh
@@ -107,7 +112,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
             raise RematUsageError(
                 f"remat_dist.shard_model: mesh dims {names} include 'tp' but no "
                 "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                "remat_dist.fsdp.reference_tp_plan()), or drop the 'tp' dim."
+                "remat_dist.reference_tp_plan()), or drop the 'tp' dim."
             )
         others = tuple(n for n in names if n != TP_DIM)
         fsdp_mesh = mesh[others[0]] if len(others) == 1 else mesh[others]

@@ -42,8 +42,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from remat_dist import apply_remat, reference_tp_plan, shard_model
 from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
-from remat_dist.fsdp import apply_remat, reference_tp_plan, shard_model
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing import dist_context, run_distributed
 from remat_dist.testing.equivalence import (
@@ -51,7 +51,7 @@ from remat_dist.testing.equivalence import (
     compare_results,
     train_steps,
 )
-from tests.fsdp._rng import cpu_hooks
+from tests.wrap._rng import cpu_hooks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2, dropout=0.1)
 STEPS = 3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from remat_dist.distributed.rng import CPURNGStateHook
+from remat_dist.distributed._rng import CPURNGStateHook
 
 
 def cpu_hooks() -> tuple:

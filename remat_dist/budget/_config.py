@@ -1,14 +1,19 @@
 """The memory-budget planner's public data: the :class:`MemoryBudget` policy a user
 passes to ``apply_remat`` and the :class:`BudgetPlan` it chooses (see
-``remat_dist.fsdp._budget`` for how, and ``docs/memory_budget.md``)."""
+``remat_dist.budget._planner`` for how, and ``docs/memory_budget.md``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from torch import nn
+
+from remat_dist.budget._profile import human, parse_bytes
 from remat_dist.errors import RematUsageError
-from remat_dist.fsdp._budget_profile import human, parse_bytes
+from remat_dist.wrap import BlockInstaller
 
 __all__ = ["BlockPlan", "BudgetPlan", "MemoryBudget"]
 
@@ -80,6 +85,18 @@ class MemoryBudget:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
             )
+
+    # -- the planned-policy seam (remat_dist.wrap._planned)
+    def with_regions(self, regions: Sequence[str]) -> MemoryBudget:
+        """This budget with ``regions`` as the save-region candidates."""
+        return dataclasses.replace(self, regions=tuple(regions))
+
+    def planner(self, model: nn.Module, installer: BlockInstaller) -> Callable[[], Any]:
+        """Check the regions against the blocks (raising before anything changes);
+        the call that attaches the planner once the blocks are checkpointed."""
+        from remat_dist.budget._planner import prepare
+
+        return prepare(self, model, installer)
 
 
 @dataclass(frozen=True)
