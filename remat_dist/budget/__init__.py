@@ -7,12 +7,12 @@ change through the ``BlockInstaller`` ``apply_remat`` gave it. See
 ``docs/memory_budget.md``.
 """
 
+from remat_dist.budget._budget import (
+    MemoryBudget as MemoryBudget,  # published at remat_dist
+)
 from remat_dist.budget._config import BlockPlan as BlockPlan  # published at remat_dist
 from remat_dist.budget._config import (
     BudgetPlan as BudgetPlan,  # published at remat_dist
-)
-from remat_dist.budget._config import (
-    MemoryBudget as MemoryBudget,  # published at remat_dist
 )
 from remat_dist.budget._planner import BudgetPhase
 from remat_dist.budget._planner import (

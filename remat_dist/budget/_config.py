@@ -1,102 +1,14 @@
-"""The memory-budget planner's public data: the :class:`MemoryBudget` policy a user
-passes to ``apply_remat`` and the :class:`BudgetPlan` it chooses (see
-``remat_dist.budget._planner`` for how, and ``docs/memory_budget.md``)."""
+"""What the memory-budget planner chooses: the :class:`BudgetPlan` of a model and
+its :class:`BlockPlan` s (see ``remat_dist.budget._planner`` for how, and
+``docs/memory_budget.md``)."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from torch import nn
+from remat_dist.budget._profile import human
 
-from remat_dist.budget._profile import human, parse_bytes
-from remat_dist.errors import RematUsageError
-from remat_dist.wrap import BlockInstaller
-
-__all__ = ["BlockPlan", "BudgetPlan", "MemoryBudget"]
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """A policy for :func:`apply_remat`: keep at most ``bytes`` of activations saved
-    for backward per rank, and recompute as little as possible.
-
-    The planner measures every candidate of every block on every rank in the first
-    training step, then chooses the plan of least recompute time that fits the
-    budget on the rank that needs most, the same plan on every rank (see
-    ``docs/memory_budget.md``)::
-
-        apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
-
-    Raises :class:`RematUsageError` for a byte count it cannot read, a negative
-    one or one that is not a whole number of bytes, and for regions that are not
-    distinct non-empty strings; ``apply_remat`` raises for regions a block does not
-    have (naming the block and its submodules).
-    """
-
-    bytes: int | str
-    """The budget per rank: activation bytes saved for backward during the model's
-    forward call, as ``remat_dist.testing.SavedBytesCounter`` counts them around
-    ``model(batch)`` (unique storages, parameters excluded; a loss computed outside
-    the model is not included). An int, or a string with a suffix (``"1.5GiB"``,
-    ``"512MiB"``, ``"2GB"``); stored as an int."""
-    regions: Sequence[str] | None = None
-    """Submodule paths (relative to each block) that may be kept as save regions:
-    every non-empty subset is a candidate, besides full recompute and no checkpoint
-    (at most 4). None: the block's direct children named in
-    ``DEFAULT_REGION_NAMES`` (``attention``, ``attn``, ``self_attn``, ``mlp``,
-    ``feed_forward``, ``ffn``). ``()``: only full recompute or nothing."""
-    repeats: int = 3
-    """Timed forwards per block in the profiling step; the minimum is kept (the
-    least noisy estimate on a busy machine)."""
-
-    def __post_init__(self) -> None:
-        try:
-            value = parse_bytes(self.bytes)
-        except ValueError as e:
-            raise RematUsageError(f"remat_dist.MemoryBudget(bytes=...): {e}") from None
-        if value < 0:
-            raise RematUsageError(
-                f"remat_dist.MemoryBudget(bytes={self.bytes!r}): the budget must not be "
-                "negative."
-            )
-        object.__setattr__(self, "bytes", value)
-        if self.regions is not None:
-            regions = (self.regions,) if isinstance(self.regions, str) else tuple(self.regions)
-            for path in regions:
-                if not isinstance(path, str) or not path:
-                    raise RematUsageError(
-                        f"remat_dist.MemoryBudget(regions={self.regions!r}): every region "
-                        f"is a non-empty submodule path relative to the block, got "
-                        f"{path!r}. Fix: e.g. regions=('attention', 'mlp'), or regions=() "
-                        "for full recompute or nothing."
-                    )
-            twice = sorted({p for p in regions if regions.count(p) > 1})
-            if twice:
-                raise RematUsageError(
-                    f"remat_dist.MemoryBudget(regions={self.regions!r}): "
-                    f"{', '.join(map(repr, twice))} listed more than once. Fix: list each "
-                    "submodule once."
-                )
-            object.__setattr__(self, "regions", regions)
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise RematUsageError(
-                f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
-            )
-
-    # -- the planned-policy seam (remat_dist.wrap._planned)
-    def with_regions(self, regions: Sequence[str]) -> MemoryBudget:
-        """This budget with ``regions`` as the save-region candidates."""
-        return dataclasses.replace(self, regions=tuple(regions))
-
-    def planner(self, model: nn.Module, installer: BlockInstaller) -> Callable[[], Any]:
-        """Check the regions against the blocks (raising before anything changes);
-        the call that attaches the planner once the blocks are checkpointed."""
-        from remat_dist.budget._planner import prepare
-
-        return prepare(self, model, installer)
+__all__ = ["BlockPlan", "BudgetPlan"]
 
 
 @dataclass(frozen=True)

@@ -60,14 +60,14 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from remat_dist._logging import get_logger
 from remat_dist.budget._backward import at_end_of_backward, input_shapes
-from remat_dist.budget._config import BlockPlan, BudgetPlan, MemoryBudget
+from remat_dist.budget._config import BlockPlan, BudgetPlan
 from remat_dist.budget._profile import (
     Candidate,
     Counter,
@@ -80,6 +80,9 @@ from remat_dist.budget._solver import solve
 from remat_dist.distributed import all_gather_objects, dist_ready
 from remat_dist.errors import PlanMismatchError, RematUsageError
 from remat_dist.wrap import BlockInstaller, planner_of
+
+if TYPE_CHECKING:
+    from remat_dist.budget._budget import MemoryBudget
 
 __all__ = ["BudgetPhase", "current_plan", "prepare"]
 

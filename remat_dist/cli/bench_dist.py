@@ -7,7 +7,11 @@ on every rank of a replica), four variants run interleaved: no checkpointing,
 (``collectives="replay"``) and remat_dist comm-free replay (``"save"``). Per
 variant: collectives issued in forward and in backward by kind, the replayed ones
 (backward minus no checkpointing), all-gathers in backward, saved bytes per rank,
-median step time and its ratio to no checkpointing. "saved" counts what backward
+median step time and its ratio to no checkpointing, and the ratio to
+``torch.utils.checkpoint`` of wall time and of this rank's CPU time (what the rank
+itself spent, blind to the other processes on a shared machine), each the median
+over iterations of the ratio within one iteration (every iteration runs every
+variant once, in a rotating order, so the machine's drift cancels). "saved" counts what backward
 will need per rank: what the saved-tensors hooks see (checkpoint inputs, torch's
 checkpoint's included) plus the collective outputs ``"save"`` keeps for comm-free
 replay, shown again in their own column ("of which kept coll."). Per variant also:
@@ -77,6 +81,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
     dp_rank = dist.get_rank() if layout == "fsdp" else 0
     out: dict[str, Any] = {}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     rounds: dict[str, Counter[str]] = {v: Counter() for v in VARIANTS}
     for it in range(cfg["warmup"] + cfg["iters"]):
         for v in VARIANTS[it % len(VARIANTS):] + VARIANTS[: it % len(VARIANTS)]:
@@ -84,13 +89,14 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
             dist.barrier()
             before = step_stats()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model.loss(tokens, targets).backward()
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
             after = step_stats()
             model.zero_grad(set_to_none=True)
             if it >= cfg["warmup"]:
                 times[v].append(elapsed)
+                cpu[v].append(cpu_s)
                 for k in ("agreements", "reports", "messages", "store_requests"):
                     rounds[v][k] += getattr(after, k) - getattr(before, k)
     for v in VARIANTS:
@@ -113,6 +119,16 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "saved_bytes": saved,
             "kept_collective_bytes": kept,
             "time_s": statistics.median(times[v]),
+            "cpu_s": statistics.median(cpu[v]),
+            # each iteration runs every variant once, in a rotating order: the
+            # ratio of two variants within one iteration cancels the machine's
+            # drift; the median over iterations is what the table shows
+            "x_torch": statistics.median(
+                a / b for a, b in zip(times[v], times["torch.utils.checkpoint"])
+            ),
+            "cpu_x_torch": statistics.median(
+                a / b for a, b in zip(cpu[v], cpu["torch.utils.checkpoint"])
+            ),
             "per_step": {k: n / cfg["iters"] for k, n in rounds[v].items()},
         }
     out["ledger_cost_us"] = _ledger_costs(cfg["iters"] * 20)
@@ -286,7 +302,7 @@ def format_dist_table(result: dict[str, Any]) -> str:
     head = (
         f"{'layout':<6} {'variant':<24} {'fwd coll':>8} {'bwd coll':>8} {'replayed':>8} "
         f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'of which kept coll.':>19} "
-        f"{'time ms':>8} {'x none':>6} {'x torch':>7} {'rounds/step':>11} "
+        f"{'time ms':>8} {'x none':>6} {'x torch':>7} {'cpu x torch':>11} {'rounds/step':>11} "
         f"{'msgs/step':>9} {'store req/step':>14}"
     )
     lines += [head, "-" * len(head)]
@@ -294,6 +310,7 @@ def format_dist_table(result: dict[str, Any]) -> str:
         base_bwd = sum(res["none"]["backward"].values())
         base_t = res["none"]["time_s"]
         torch_t = res["torch.utils.checkpoint"]["time_s"]
+        torch_c = res["torch.utils.checkpoint"].get("cpu_s") or 1.0
         for v in VARIANTS:
             r = res[v]
             bwd = sum(r["backward"].values())
@@ -306,7 +323,8 @@ def format_dist_table(result: dict[str, Any]) -> str:
                 f"{layout:<6} {v:<24} {sum(r['forward'].values()):>8} {bwd:>8} "
                 f"{bwd - base_bwd:>8} {gathers:>15} {saved:>16} {kept:>19} "
                 f"{r['time_s'] * 1e3:>8.1f} {r['time_s'] / base_t:>6.3f} "
-                f"{r['time_s'] / torch_t:>7.3f} "
+                f"{r.get('x_torch', r['time_s'] / torch_t):>7.3f} "
+                f"{r.get('cpu_x_torch', r.get('cpu_s', 0.0) / torch_c):>11.3f} "
                 f"{_per(r, 'agreements') + _per(r, 'reports'):>11.1f} "
                 f"{_per(r, 'messages'):>9.1f} {_per(r, 'store_requests'):>14.1f}"
             )

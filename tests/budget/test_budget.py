@@ -238,6 +238,7 @@ def test_regions_override_and_errors():
     assert parse_bytes(4096) == parse_bytes("4096") == 4096
 
 
+@pytest.mark.slow
 def test_bench_sweep_small(tmp_path):
     """``python -m remat_dist bench --budget`` end to end on 2 torchrun ranks (tiny
     sizes): every budget's plan fits on both ranks; rank 1 saves more."""

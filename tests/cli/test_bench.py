@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_bench_tiny_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from remat_dist.cli.bench_scale import ROW_KEYS
 from remat_dist.cli.main import main
 
 
+@pytest.mark.slow
 def test_bench_scale_tiny(tmp_path, capsys):
     out = tmp_path / "scale.json"
     rc = main(

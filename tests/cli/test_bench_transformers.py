@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from remat_dist.cli.main import main  # noqa: E402
 
 
+@pytest.mark.slow
 def test_bench_transformers_tiny_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main([

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from remat_dist.cli.main import main
 
 
+@pytest.mark.slow
 def test_bench_compile_cli(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main([

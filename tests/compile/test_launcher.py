@@ -19,6 +19,7 @@ def _launcher():
     return train
 
 
+@pytest.mark.slow
 def test_compile_flag_trains():
     proc = torchrun(
         "--steps", "3", "--dim", "32", "--layers", "1", "--seq", "16", "--heads", "2",

@@ -1,10 +1,10 @@
 """The side channel that carries the agreements: direct links among a group's ranks,
 recursive doubling, bounded rounds whose failure reaches every member.
 
-Real processes through the harness (its FileStore stands in for the job's store):
-values and message counts for 2, 3 and 4 ranks; a late rank, a rank that leaves
-and two ranks that run different rounds, each seen by every member within the
-bound and with the right words.
+Real processes through the harness (its FileStore stands in for the job's store)
+for 2 and 4 ranks, threads of one process over loopback for the sizes that fold
+(3, 5, 6) and the late rank; a rank that leaves and two ranks that run different
+rounds, each seen by every member within the bound and with the right words.
 """
 
 from __future__ import annotations
@@ -53,9 +53,51 @@ def test_rounds_on_two_ranks(ctx: DistContext):
     _rounds(ctx)
 
 
-@distributed(world_size=3)
-def test_rounds_on_three_ranks(ctx: DistContext):
-    _rounds(ctx)
+def _threads(n: int, body, timeout: float = 5.0) -> list:
+    """``body(rank, channel)`` on ``n`` threads of this process, each a member of one
+    side channel over loopback (the store: an in-process HashStore)."""
+    import threading
+
+    store = dist.HashStore()
+    out: list = [None] * n
+
+    def run(rank: int) -> None:
+        try:
+            ch = SideChannel(tuple(range(n)), rank, store, f"t{n}", timeout)
+            try:
+                out[rank] = body(rank, ch)
+            finally:
+                ch.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 8])
+def test_rounds_on_sizes_that_fold(n):
+    # past the largest power of two, ranks fold into a partner and get the result
+    # back: every member still gets every value, in log2 hops plus two
+    def body(rank, ch):
+        got = ch.reduce_max([rank, -rank], 5.0)
+        parts = ch.gather(bytes([rank]) * (rank + 1), 5.0)
+        return got, parts, ch.messages
+
+    results = _threads(n, body)
+    p = 1 << (n.bit_length() - 1)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        got, parts, messages = r
+        assert got == [n - 1, 0]
+        assert parts == {q: bytes([q]) * (q + 1) for q in range(n)}
+        hops = p.bit_length() - 1
+        per_round = 1 if rank >= p else hops + (1 if rank + p < n else 0)
+        assert messages == 2 * per_round
 
 
 @distributed(world_size=4)
@@ -63,19 +105,22 @@ def test_rounds_on_four_ranks(ctx: DistContext):
     _rounds(ctx)
 
 
-@distributed(world_size=3)
-def test_a_late_rank_makes_every_member_raise_within_the_bound(ctx: DistContext):
-    ch = _channel(ctx, "late", timeout=5.0)
-    try:
+def test_a_late_rank_makes_every_member_raise_within_the_bound():
+    def body(rank, ch):
         ch.reduce_max([1], 5.0)
         t0 = time.monotonic()
-        if ctx.rank == 2:
+        if rank == 2:
             time.sleep(2.0)  # past the others' bound of 1 s
-        with pytest.raises(ChannelFailure) as ei:
+        try:
             ch.reduce_max([1], 1.0)
-        elapsed = time.monotonic() - t0
-        f = ei.value
-        if ctx.rank == 2:
+        except ChannelFailure as f:
+            return f, time.monotonic() - t0, ch.broken
+        return None
+
+    results = _threads(3, body)
+    for rank, (f, elapsed, broken) in enumerate(results):
+        assert broken
+        if rank == 2:
             # comes late: reads the abort at once, instead of waiting its own bound
             assert f.reason == "aborted" and f.by in (0, 1), (f.reason, str(f))
             assert f.missing == [2]
@@ -84,10 +129,6 @@ def test_a_late_rank_makes_every_member_raise_within_the_bound(ctx: DistContext)
             assert f.reason in ("timeout", "aborted"), (f.reason, str(f))
             assert f.missing == [2], f.missing
             assert elapsed < 1.0 + 1.5
-        assert ch.broken
-    finally:
-        ch.close()
-        dist.barrier()
 
 
 @distributed(world_size=2)

@@ -593,20 +593,23 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
 
 
 def test_remat_dist_log_env_turns_logging_on():
+    # one fresh interpreter: quiet first (no handler, warnings still printed by
+    # Python's last resort), then with REMAT_DIST_LOG=info as importing reads it
     import subprocess
     import sys
 
     code = (
-        "import logging, remat_dist; log = logging.getLogger('remat_dist.x'); "
-        "log.info('hello'); log.warning('over budget')"
+        "import logging, os, sys, remat_dist, remat_dist._logging as L\n"
+        "log = logging.getLogger('remat_dist.x')\n"
+        "log.info('hello'); log.warning('over budget')\n"
+        "print('--- loud ---', file=sys.stderr, flush=True)\n"
+        "os.environ['REMAT_DIST_LOG'] = 'info'; L._configure()\n"
+        "log.info('hello')\n"
     )
-    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    loud = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "REMAT_DIST_LOG": "info"},
-    )
-    assert "hello" not in quiet.stderr
-    assert "over budget" in quiet.stderr  # warnings are never swallowed
-    assert "remat_dist.x INFO: hello" in loud.stderr, loud.stderr
+    env = {k: v for k, v in os.environ.items() if k != "REMAT_DIST_LOG"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    quiet, _, loud = out.stderr.partition("--- loud ---")
+    assert out.returncode == 0, out.stderr
+    assert "hello" not in quiet
+    assert "over budget" in quiet  # warnings are never swallowed
+    assert "remat_dist.x INFO: hello" in loud, out.stderr

@@ -24,6 +24,7 @@ def torchrun(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
     out = tmp_path / "report.json"
     proc = torchrun(
@@ -45,6 +46,7 @@ def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
     assert len(data["peak_memory_bytes"]) == 2 and data["losses"] == pytest.approx(losses, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_impossible_mesh_fails_on_every_rank_without_hang():
     proc = torchrun("--tp", "3", timeout=120)
     assert proc.returncode != 0
@@ -81,6 +83,7 @@ def test_bad_flag_and_missing_gpu_and_bare_python(monkeypatch, capsys):
     assert "run it with torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_memory_budget_flag(tmp_path, monkeypatch, capsys):
     out = tmp_path / "report.json"
     proc = torchrun(

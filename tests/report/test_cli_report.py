@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from remat_dist.report import CrossRankReport
 
 
+@pytest.mark.slow
 def test_report_cli_two_ranks_uneven(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
