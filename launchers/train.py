@@ -31,8 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import remat_dist as remat
 from remat_dist.distributed import all_gather_objects
-from remat_dist.models import GPT, GPTConfig
-from remat_dist.models.gpt import Block
+from remat_dist.models import GPT, Block, GPTConfig
 from remat_dist.models.text import TEXT_VOCAB_SIZE, load_tiny_corpus, text_batch
 
 REMAT_POLICIES: dict[str, Any] = {

@@ -14,6 +14,14 @@ to the wrapping layer.
 """
 
 import remat_dist._logging  # noqa: F401  (quiet by default; REMAT_DIST_LOG=info)
+from remat_dist._errors import (
+    CollectiveReplayError,
+    PlaceholderAccessError,
+    PlanMismatchError,
+    RematError,
+    RematUsageError,
+    ReplayMismatchError,
+)
 from remat_dist.budget import BlockPlan, BudgetPlan, MemoryBudget, current_plan
 from remat_dist.core import (
     CollectiveMode,
@@ -42,14 +50,6 @@ from remat_dist.distributed import (
     mark_step,
     set_replay_timeout,
     step_stats,
-)
-from remat_dist.errors import (
-    CollectiveReplayError,
-    PlaceholderAccessError,
-    PlanMismatchError,
-    RematError,
-    RematUsageError,
-    ReplayMismatchError,
 )
 from remat_dist.integrations.transformers import ADAPTER as _transformers_adapter
 from remat_dist.report import (

@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 
 import remat_dist
-from remat_dist.errors import RematError
+from remat_dist._errors import RematError
 
 __all__ = ["install_torch_remat_alias", "uninstall_torch_remat_alias"]
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from remat_dist._errors import RematUsageError
 from remat_dist.budget._planner import prepare
 from remat_dist.budget._profile import parse_bytes
-from remat_dist.errors import RematUsageError
 from remat_dist.wrap import BlockInstaller
 
 __all__ = ["MemoryBudget"]

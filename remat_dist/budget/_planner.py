@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from remat_dist._errors import PlanMismatchError, RematUsageError
 from remat_dist._logging import get_logger
 from remat_dist.budget._backward import at_end_of_backward, input_shapes
 from remat_dist.budget._config import BlockPlan, BudgetPlan
@@ -78,7 +79,6 @@ from remat_dist.budget._profile import (
 )
 from remat_dist.budget._solver import solve
 from remat_dist.distributed import all_gather_objects, dist_ready
-from remat_dist.errors import PlanMismatchError, RematUsageError
 from remat_dist.wrap import BlockInstaller, planner_of
 
 if TYPE_CHECKING:

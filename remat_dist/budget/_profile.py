@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import current_saved_tensor_info, plain, saved_tensors_hooks
 from remat_dist.distributed import CPURNGStateHook, default_state_hooks
-from remat_dist.errors import RematUsageError
 from remat_dist.wrap import BlockInstaller, call_block
 
 __all__ = [

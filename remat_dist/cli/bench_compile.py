@@ -37,8 +37,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 
 import remat_dist as remat
-from remat_dist.models import GPTConfig
-from remat_dist.models.gpt import Block
+from remat_dist.models import Block, GPTConfig
 from remat_dist.testing import SavedBytesCounter
 
 __all__ = ["BACKENDS", "CompileBenchConfig", "VARIANTS", "format_table", "main", "run"]

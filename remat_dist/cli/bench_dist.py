@@ -37,8 +37,7 @@ def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.models import GPT, GPTConfig
-    from remat_dist.models.gpt import Block
+    from remat_dist.models import GPT, Block, GPTConfig
 
     world = dist.get_world_size()
     config = GPTConfig(

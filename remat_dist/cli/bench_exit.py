@@ -55,8 +55,7 @@ def _worker(layout: str, steps: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.models import GPT, GPTConfig, make_batch
-    from remat_dist.models.gpt import Block
+    from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -46,8 +46,7 @@ def report_on_this_rank(opts: dict[str, Any]) -> dict[str, Any] | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.models import GPT, GPTConfig, make_batch
-    from remat_dist.models.gpt import Block
+    from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = opts["tp"]

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import _compile, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
     as_hooks,
@@ -46,7 +47,6 @@ from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
 from remat_dist.core._types import CollectiveMode, RecomputeStateHook
-from remat_dist.errors import RematUsageError
 
 __all__ = ["checkpoint"]
 

@@ -68,6 +68,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import _record
 from remat_dist.core._compile_runtime import (
     RuntimeContext,
@@ -75,7 +76,6 @@ from remat_dist.core._compile_runtime import (
     mutated_at_runtime,
 )
 from remat_dist.core._state import fallback_replay_var, frame_var, name_prefix_var
-from remat_dist.errors import RematUsageError
 
 if TYPE_CHECKING:
     from remat_dist.core._options import CheckpointOptions

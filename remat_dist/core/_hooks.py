@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._storage import storage_key
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
-from remat_dist.errors import RematUsageError
 
 __all__ = [
     "current_saved_tensor_info",
@@ -84,7 +84,7 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
 def current_saved_tensor_info() -> SavedTensorInfo:
     """Inside a pack hook of :class:`saved_tensors_hooks`: why this tensor is packed.
 
-    Raises :class:`~remat_dist.errors.RematUsageError` when called anywhere else.
+    Raises :class:`~remat_dist.RematUsageError` when called anywhere else.
     """
     info = _info_var.get()
     if info is None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 
 __all__ = ["CheckpointOptions", "OptionSpec", "declare_option", "declared_options"]
 

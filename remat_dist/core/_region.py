@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from remat_dist._errors import RematError, RematUsageError
 from remat_dist.core import _compile, _record
 from remat_dist.core._options import resolve
 from remat_dist.core._placeholder import make_placeholder
@@ -32,7 +33,6 @@ from remat_dist.core._save_region import (
 from remat_dist.core._state import frame_var, name_prefix_var
 from remat_dist.core._state_hooks import _restore, _snapshot
 from remat_dist.core._types import CollectiveMode
-from remat_dist.errors import RematError, RematUsageError
 
 __all__ = ["name_scope", "recompute_needs_tensor", "region"]
 

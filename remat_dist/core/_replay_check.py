@@ -4,7 +4,7 @@ Every tensor torch's checkpoint saves in a checkpoint's forward passes the core'
 tracking hook (``_standin.tracking``), which notes its shape, dtype and device
 (:func:`saved_meta`, in ``record.saved_meta``). The replay's saves
 pass the same hook in the same order, and the first one that differs raises
-:class:`~remat_dist.errors.ReplayMismatchError` at once: before the different
+:class:`~remat_dist.ReplayMismatchError` at once: before the different
 tensor reaches model code that would fail deep inside with a shape error (a KV
 cache appended to again on replay), or backward computes wrong gradients from it
 without a word (a dtype that changed). A replay that ends having saved fewer
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from remat_dist.errors import RematError, ReplayMismatchError
+from remat_dist._errors import RematError, ReplayMismatchError
 
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from remat_dist._errors import RematError
 from remat_dist.core import _standin
 from remat_dist.core._hooks import for_user_hook, innermost_hooks, saved_name
 from remat_dist.core._packed import _Kept, _UserPacked
@@ -27,7 +28,6 @@ from remat_dist.core._record import (
 )
 from remat_dist.core._storage import plain, storage_key, storage_nbytes, tensor_meta
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
-from remat_dist.errors import RematError
 
 
 def _entry(

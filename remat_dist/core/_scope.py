@@ -58,12 +58,12 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import _state
 from remat_dist.core._scope_hooks import PackHooks, is_our_hook
 from remat_dist.core._scope_output import ScopeOutput
 from remat_dist.core._scope_record import ScopeRecord, live_scope_records
 from remat_dist.core._scope_tags import ACTIVE, FLAGS, Active
-from remat_dist.errors import RematUsageError
 
 __all__ = [
     "ScopeOutput",

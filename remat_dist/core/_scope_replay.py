@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat_dist._errors import RematError
 from remat_dist.core import _scope_ops
 from remat_dist.core._scope_tags import (
     FLAGS,
@@ -23,7 +24,6 @@ from remat_dist.core._scope_tags import (
     _SlotRef,
     _version,
 )
-from remat_dist.errors import RematError
 
 if TYPE_CHECKING:
     from remat_dist.core._scope_record import ScopeRecord

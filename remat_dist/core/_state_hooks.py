@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from remat_dist._errors import RematError
 from remat_dist.core._record import CheckpointRecord
-from remat_dist.errors import RematError
 
 
 def _snapshot(record: CheckpointRecord, where: str) -> tuple[Any, ...]:

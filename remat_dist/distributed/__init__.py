@@ -5,7 +5,7 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
 * the collective ledger: every checkpoint records the collectives its forward
   issues; replay checks each one before issuing it (``collectives="replay"``) or
   issues none and serves the kept outputs (``collectives="save"``); divergence
-  raises :class:`~remat_dist.errors.CollectiveReplayError` on every rank at stake;
+  raises :class:`~remat_dist.CollectiveReplayError` on every rank at stake;
 * a plan agreement among the ranks at stake (the groups whose collectives a
   replay can re-issue) before backward's first collective, and a failure report
   among them at backward's end, on a side channel between those ranks

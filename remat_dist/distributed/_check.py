@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from remat_dist._errors import PlanMismatchError
 from remat_dist._logging import get_logger
 from remat_dist.distributed._channel import ChannelFailure
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text, plans_differ
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._step import StepState, current_step, replay_timeout
 from remat_dist.distributed._store_round import RoundTimeout, StoreRound
-from remat_dist.errors import PlanMismatchError
 
 __all__ = ["check_plan_consistency"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, get_args
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import CollectiveMode, OptionSpec, declare_option
-from remat_dist.errors import RematUsageError
 
 __all__ = ["COLLECTIVE_MODES"]
 

@@ -15,7 +15,7 @@ never imports this. With a process group:
   outputs (``"save"``);
 * a replay at stake that diverges or raises is absorbed: the rank releases what its
   peers wait for, the core completes the replay with stand-ins, and the report at
-  the end of backward raises :class:`~remat_dist.errors.CollectiveReplayError` on
+  the end of backward raises :class:`~remat_dist.CollectiveReplayError` on
   every rank of the stake. A replay at stake nowhere, and a communication failure
   (timeout, dead peer), raise at once.
 
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.utils.checkpoint as torch_checkpoint
 
+from remat_dist._errors import CollectiveReplayError
 from remat_dist._logging import get_logger
 from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
@@ -50,7 +51,6 @@ from remat_dist.distributed._verify import (
     VerifyCollectives,
     is_comm_failure,
 )
-from remat_dist.errors import CollectiveReplayError
 
 __all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
 

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
+from remat_dist._errors import CollectiveReplayError, PlanMismatchError
 from remat_dist._logging import get_logger
 from remat_dist.distributed._channel import ChannelFailure, SideChannel
 from remat_dist.distributed._intercept import set_step_hooks
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
-from remat_dist.errors import CollectiveReplayError, PlanMismatchError
 
 __all__ = [
     "StepState",

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from remat_dist._errors import CollectiveReplayError
 from remat_dist.distributed._intercept import (
     CollectiveCall,
     _completed_result,
@@ -31,7 +32,6 @@ from remat_dist.distributed._intercept import (
 )
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.distributed._ready import this_rank
-from remat_dist.errors import CollectiveReplayError
 
 __all__ = [
     "RecordCollectives",

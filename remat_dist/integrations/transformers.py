@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 from remat_dist.wrap import BlockSelector
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Reference models used by tests, benchmarks and the launchers."""
 
-from remat_dist.models.gpt import (
+from remat_dist.models._gpt import (
     GPT,
     MLP,
     Attention,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 from remat_dist.shard._tp_plan import (
     SEQUENCE,
     TensorParallelPlan,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 
 __all__ = [
     "REPLICATE",

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._errors import RematUsageError
 from remat_dist._logging import get_logger
 from remat_dist.core import CollectiveMode, RecomputeStateHook
 from remat_dist.distributed import mark_step
-from remat_dist.errors import RematUsageError
 from remat_dist.wrap._adapters import adapter_for
 from remat_dist.wrap._blocks import BlockSelector, select_blocks
 from remat_dist.wrap._checks import check_blocks

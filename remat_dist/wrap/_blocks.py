@@ -21,7 +21,7 @@ from typing import Union
 
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 
 __all__ = ["BlockSelector", "select_blocks"]
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 from remat_dist.wrap._blocks import strictly_inside
 from remat_dist.wrap._patch import BLOCK_ATTR
 

@@ -41,7 +41,7 @@ from typing import Any, Union
 
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 from remat_dist.wrap._blocks import strictly_inside
 from remat_dist.wrap._planned import PlannedPolicy
 

@@ -17,10 +17,15 @@ import torch
 import torch.nn.functional as F
 
 import remat_dist as remat
-from remat_dist import apply_remat, current_plan, remat_plan, remove_remat
+from remat_dist import (
+    RematUsageError,
+    apply_remat,
+    current_plan,
+    remat_plan,
+    remove_remat,
+)
 from remat_dist.budget import parse_bytes
 from remat_dist.budget._solver import brute_force, plan_cost, solve
-from remat_dist.errors import RematUsageError
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter
 from remat_dist.wrap import PLANNER_ATTR, BlockInstaller
@@ -674,7 +679,7 @@ def test_infeasible_message_names_the_smallest_plan():
 
 def test_plan_mismatch_keeps_raising(monkeypatch):
     import remat_dist.budget._planner as budget_mod
-    from remat_dist.errors import PlanMismatchError
+    from remat_dist import PlanMismatchError
 
     model = _net(remat.MemoryBudget(bytes="1MiB"))
     monkeypatch.setattr(budget_mod, "dist_ready", lambda: True)

@@ -27,8 +27,7 @@ import pytest
 import torch
 
 import remat_dist as remat
-from remat_dist.models import GPTConfig
-from remat_dist.models.gpt import Block
+from remat_dist.models import Block, GPTConfig
 from tests.compile._common import assert_grads_equal, fresh_dynamo, step
 
 CFG = GPTConfig(seq_len=16, dim=32, n_heads=4, dropout=0.0)

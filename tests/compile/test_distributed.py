@@ -19,8 +19,7 @@ import torch
 
 from remat_dist import apply_remat, reference_tp_plan, shard_model
 from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
-from remat_dist.models import GPT, GPTConfig, make_batch
-from remat_dist.models.gpt import Block
+from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter, dist_context, run_distributed
 from tests.compile._common import fresh_dynamo
 

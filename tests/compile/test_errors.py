@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import remat_dist as remat
-from remat_dist.errors import RematUsageError
+from remat_dist import RematUsageError
 from tests.compile._common import fresh_dynamo
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import remat_dist as remat
+from remat_dist import RematUsageError
 from remat_dist.core import _compile
-from remat_dist.errors import RematUsageError
 from tests.compile._common import assert_grads_equal, fresh_dynamo
 from tests.compile.test_errors import _raised_usage_error
 
@@ -132,8 +132,7 @@ def test_graph_break_recompute_inside_save_refused():
 def test_block_graph_break_equals_eager_remat(monkeypatch):
     """A GPT block with a graph break in its MLP, attention kept: the same grads as
     eager remat."""
-    from remat_dist.models import GPTConfig
-    from remat_dist.models.gpt import MLP, Block
+    from remat_dist.models import MLP, Block, GPTConfig
     from tests.compile._common import step
 
     forward = MLP.forward

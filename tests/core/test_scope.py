@@ -16,13 +16,13 @@ import torch.utils.checkpoint as tuc
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import remat_dist as remat
+from remat_dist import RematError, RematUsageError
 from remat_dist.core._scope import (
     ScopeOutput,
     active_scope_depth,
     gradient_checkpoint_scope,
     live_scope_records,
 )
-from remat_dist.errors import RematError, RematUsageError
 from remat_dist.testing import SavedBytesCounter
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

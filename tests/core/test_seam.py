@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import remat_dist as remat
+from remat_dist import RematUsageError
 from remat_dist.core import (
     CheckpointPhase,
     OptionSpec,
@@ -17,7 +18,6 @@ from remat_dist.core import (
     records_of_node,
     register_observer,
 )
-from remat_dist.errors import RematUsageError
 
 
 def _tag(value, where):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from remat_dist import CollectiveReplayError
 from remat_dist.distributed._collectives import (
     CollectiveLedger,
     RecordCollectives,
@@ -30,7 +31,6 @@ from remat_dist.distributed._collectives import (
     observe_collectives,
 )
 from remat_dist.distributed._store_round import RoundTimeout, StoreRound
-from remat_dist.errors import CollectiveReplayError
 from remat_dist.testing import distributed
 
 

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 import remat_dist as remat
 from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
-from remat_dist.models import GPT, GPTConfig, make_batch
-from remat_dist.models.gpt import Block
+from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import (
     DistContext,
     DistributedTestError,

@@ -17,8 +17,7 @@ from torch import nn
 
 import remat_dist as remat
 from remat_dist.distributed import step_stats
-from remat_dist.models import GPT, GPTConfig, make_batch
-from remat_dist.models.gpt import Block, block_tp_plan
+from remat_dist.models import GPT, Block, GPTConfig, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")

@@ -10,8 +10,7 @@ import remat_dist as remat
 from remat_dist.core import live_records
 from remat_dist.distributed import ledger_of
 from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
-from remat_dist.models import GPT, GPTConfig, make_batch
-from remat_dist.models.gpt import Block
+from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import DistContext, distributed
 from tests.distributed._tp import tp_mlp as _tp_mlp
 

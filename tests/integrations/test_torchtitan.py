@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat_dist import apply_remat, remat_plan
-from remat_dist.errors import RematUsageError
+from remat_dist import RematUsageError, apply_remat, remat_plan
 from remat_dist.integrations import torchtitan as tt
 from remat_dist.integrations.torchtitan import _override as tt_override
 from remat_dist.integrations.torchtitan._config import SETTINGS_ATTR

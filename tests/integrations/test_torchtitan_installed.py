@@ -15,7 +15,7 @@ from tests.integrations import _standin as S
 
 ac = pytest.importorskip("torchtitan.distributed.activation_checkpoint")
 
-from remat_dist.errors import RematUsageError  # noqa: E402
+from remat_dist import RematUsageError  # noqa: E402
 from remat_dist.integrations import torchtitan as tt  # noqa: E402
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from remat_dist import (
+    RematUsageError,
     TensorParallelPlan,
     apply_remat,
     reference_tp_plan,
     remat_plan,
     shard_model,
 )
-from remat_dist.errors import RematUsageError
 from remat_dist.models import (
     GPT,
     MLP,

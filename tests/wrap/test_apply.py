@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import remat_dist as remat
-from remat_dist import apply_remat, remat_plan, remove_remat
-from remat_dist.errors import RematUsageError
+from remat_dist import RematUsageError, apply_remat, remat_plan, remove_remat
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing.equivalence import assert_remat_equivalent
 from tests.wrap._rng import cpu_hooks

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._errors import RematUsageError
 from remat_dist.core import RecomputeStateHook
-from remat_dist.errors import RematUsageError
 from remat_dist.integrations.torchtitan._config import (
     _UNSET,
     DEFAULT_OP_POLICY,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 
 __all__ = ["ACSettings", "COUNTER_BUFFERS", "DEFAULT_OP_POLICY", "read_ac_config"]
 

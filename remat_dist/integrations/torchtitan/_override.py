@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from remat_dist.errors import RematUsageError
+from remat_dist._errors import RematUsageError
 from remat_dist.integrations.torchtitan._apply import apply_ac
 from remat_dist.integrations.torchtitan._config import read_ac_config
 

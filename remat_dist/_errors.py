@@ -60,3 +60,16 @@ class ReplayMismatchError(RematError, CheckpointError):
     ``CheckpointError``, which torch raises for the same case after the replay,
     so code written to catch that keeps catching it.
     """
+
+
+# Users import and catch these from ``remat_dist``; tracebacks and pickles say so.
+for _cls in (
+    RematError,
+    RematUsageError,
+    PlaceholderAccessError,
+    CollectiveReplayError,
+    PlanMismatchError,
+    ReplayMismatchError,
+):
+    _cls.__module__ = "remat_dist"
+del _cls
