@@ -21,6 +21,7 @@ from remat_dist._errors import (
     RematError,
     RematUsageError,
     ReplayMismatchError,
+    ReplayValueMismatchError,
 )
 from remat_dist.budget import BlockPlan, BudgetPlan, MemoryBudget, current_plan
 from remat_dist.core import (
@@ -149,5 +150,6 @@ __all__ = [
     "PlaceholderAccessError",
     "ReplayMismatchError",
     "CollectiveReplayError",
+    "ReplayValueMismatchError",
     "PlanMismatchError",
 ]

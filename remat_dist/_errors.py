@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveReplayError",
     "PlanMismatchError",
     "ReplayMismatchError",
+    "ReplayValueMismatchError",
 ]
 
 
@@ -62,6 +63,21 @@ class ReplayMismatchError(RematError, CheckpointError):
     """
 
 
+class ReplayValueMismatchError(CollectiveReplayError, ReplayMismatchError):
+    """A replay computed other values than its forward, with the same shapes and
+    dtypes (``determinism_check="values"`` or ``REMAT_DIST_DETERMINISM_CHECK=values``):
+    the input of a replayed collective, or a tensor the replay saved for backward
+    in place of the forward's, has another fingerprint.
+
+    Raised at the end of backward, before the optimizer step: with a process group,
+    on every rank of the ranks at stake (through the end-of-backward report), the
+    message naming the checkpoint, the collective or saved tensor (and the op that
+    made it), the ranks where it differed and the fixes. The gradients of that step
+    are wrong. A ``CollectiveReplayError`` and a ``ReplayMismatchError``, so code
+    that catches either keeps catching it.
+    """
+
+
 # Users import and catch these from ``remat_dist``; tracebacks and pickles say so.
 for _cls in (
     RematError,
@@ -70,6 +86,7 @@ for _cls in (
     CollectiveReplayError,
     PlanMismatchError,
     ReplayMismatchError,
+    ReplayValueMismatchError,
 ):
     _cls.__module__ = "remat_dist"
 del _cls

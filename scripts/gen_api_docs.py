@@ -104,6 +104,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "PlaceholderAccessError",
             "ReplayMismatchError",
             "CollectiveReplayError",
+            "ReplayValueMismatchError",
             "PlanMismatchError",
         ],
     ),

@@ -7,6 +7,8 @@
   them (``-n auto`` on a 2-core machine would otherwise oversubscribe 2x).
 * Tests marked ``gpu`` are skipped without a CUDA device.
 * The harness's rank processes are killed when the session ends.
+* Every test starts from reset process state (``reset_process_state``: caches, the
+  step's agreement state, FSDP2's tracking), whatever the test before it left.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ def pytest_collection_modifyitems(
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_process_state() -> None:
+    from remat_dist.testing import reset_process_state
+
+    reset_process_state()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "remat_dist"
 
-# What each library layer may import from remat_dist (besides itself, _errors and _logging).
+# What each library layer may import from remat_dist (besides itself, _errors, _logging
+# _torch, the seam to torch's internals, and _state, the process-state registry).
 LIBRARY = {"core", "distributed", "report", "wrap", "budget", "shard"}
 ALLOWED = {
     "core": set(),
@@ -58,13 +59,26 @@ def test_imports_point_down():
         if len(rel.parts) == 1:
             continue  # the composition root and _errors.py
         layer = rel.parts[0]
+        if layer == "_torch":
+            continue  # test_the_torch_seam_imports_only_errors
         for module in _imports(path):
             target = _layer(module)
-            if target in (layer, "_errors", "_logging"):
+            if target in (layer, "_errors", "_logging", "_torch", "_state"):
                 continue
             if target not in ALLOWED[layer]:
                 wrong.append(f"{rel}: {layer} -> {module}")
     assert not wrong, "imports pointing the wrong way:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_the_torch_seam_imports_only_errors():
+    # remat_dist/_torch sits below every layer: it may use the error types only
+    wrong = [
+        f"{path.relative_to(PACKAGE)}: {module}"
+        for path in (PACKAGE / "_torch").rglob("*.py")
+        for module in _imports(path)
+        if _layer(module) not in ("_torch", "_errors")
+    ]
+    assert not wrong, "remat_dist/_torch imports more than _errors:\n" + "\n".join(wrong)
 
 
 def test_core_privates_stay_in_core():

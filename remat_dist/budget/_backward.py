@@ -9,7 +9,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from remat_dist._torch._autograd import queue_callback
+from remat_dist._torch._pytree import tree_leaves
 
 __all__ = ["at_end_of_backward", "input_shapes", "tensors_in"]
 
@@ -44,7 +46,7 @@ def at_end_of_backward(
     tensors = [t for t in tensors_in(output) if t.requires_grad]
     if not tensors:
         return False
-    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue = queue_callback
     fired = []
 
     def at_start(grad: torch.Tensor) -> None:

@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._autograd import top_saved_tensors_hooks
+from remat_dist._torch._module import buffers_of
+from remat_dist._torch._pytree import tree_leaves, tree_map
 from remat_dist.core import current_saved_tensor_info, plain, saved_tensors_hooks
 from remat_dist.distributed import CPURNGStateHook, default_state_hooks
 from remat_dist.wrap import BlockInstaller, call_block
@@ -116,7 +118,7 @@ class Counter:
         self.activations: dict[Any, int] = {}
         self._outer: Any = None
         if chain:
-            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            top = top_saved_tensors_hooks(False)
             if top is not None:
                 pack, unpack = top
                 owner = getattr(pack, "__self__", None)
@@ -310,7 +312,7 @@ def _snapshot_buffers(module: nn.Module) -> list[list[Any]]:
     out = []
     seen: set[int] = set()
     for sub in module.modules():
-        for key, buf in sub._buffers.items():
+        for key, buf in buffers_of(sub).items():
             if buf is None:
                 continue
             with torch.no_grad():
@@ -329,8 +331,8 @@ def _restore_buffers(snapshot: list[list[Any]]) -> None:
     with torch.no_grad():
         for entry in snapshot:
             sub, key, buf, copy, version = entry
-            if sub._buffers.get(key) is not buf:
-                sub._buffers[key] = buf
+            if buffers_of(sub).get(key) is not buf:
+                buffers_of(sub)[key] = buf
             if copy is None:
                 continue
             same = (

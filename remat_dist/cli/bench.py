@@ -40,6 +40,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
+from remat_dist._torch._tools import mem_tracker
 from remat_dist.core import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.report import build_saved_tensors_report
@@ -203,10 +204,10 @@ def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str
         peak = torch.cuda.max_memory_allocated() - base
         model.zero_grad(set_to_none=True)
         return {"peak_bytes": peak, "live_after_forward_bytes": live}
-    try:
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-    except ImportError:
+    found = mem_tracker()
+    if found is None:
         return {"peak_bytes": None, "live_after_forward_bytes": None}
+    MemTracker, MemRefType = found
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
@@ -216,7 +217,7 @@ def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str
     model.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
     live = sum(
-        v["Total"] - v.get(_MemRefType.PARAM, 0) - v.get(_MemRefType.GRAD, 0)
+        v["Total"] - v.get(MemRefType.PARAM, 0) - v.get(MemRefType.GRAD, 0)
         for v in now.values()
     )
     return {

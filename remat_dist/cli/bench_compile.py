@@ -37,6 +37,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 
 import remat_dist as remat
+from remat_dist._torch import _dynamo
 from remat_dist.models import Block, GPTConfig
 from remat_dist.testing import SavedBytesCounter
 
@@ -122,14 +123,14 @@ def run(cfg: CompileBenchConfig) -> list[dict[str, Any]]:
         raise ValueError(
             f"bench --compile: backend {cfg.backend!r} is not one of {BACKENDS}"
         )
-    torch._dynamo.reset()
+    _dynamo.reset()
     # every block shares nn.Module._call_impl's code: one cache entry per block
-    limit = torch._dynamo.config.cache_size_limit
-    torch._dynamo.config.cache_size_limit = max(limit, 4 * len(VARIANTS) * cfg.layers)
+    limit = _dynamo.cache_size_limit()
+    _dynamo.set_cache_size_limit(max(limit, 4 * len(VARIANTS) * cfg.layers))
     try:
         return _run(cfg)
     finally:
-        torch._dynamo.config.cache_size_limit = limit
+        _dynamo.set_cache_size_limit(limit)
 
 
 def _run(cfg: CompileBenchConfig) -> list[dict[str, Any]]:

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from remat_dist._torch import _dynamo
+
 FAMILIES = ("llama", "qwen2", "mixtral", "gemma2", "gpt2")
 LEVELS = (0.25, 0.5, 0.75)
 
@@ -147,15 +149,13 @@ def run_family(family: str, cfg: Config) -> list[dict[str, Any]]:
         add(f"remat budget {p:.0%}", remat_model(remat.MemoryBudget(bytes=budget)),
             budget_bytes=budget)
     if cfg.compile:
-        import torch._functorch.config as functorch_config
-
         for p, budget in zip(cfg.levels, levels):
             fraction = budget / none["saved_bytes"]
-            torch._dynamo.reset()
-            with functorch_config.patch(activation_memory_budget=fraction):
+            _dynamo.reset()
+            with _dynamo.functorch_config_patch(activation_memory_budget=fraction):
                 add(f"compile budget {p:.0%}", torch.compile(build(family, cfg)),
                     budget_bytes=budget, activation_memory_budget=round(fraction, 4))
-            torch._dynamo.reset()
+            _dynamo.reset()
     base = none["time_ms"]
     for r in rows:
         r["x_no_ac"] = r["time_ms"] / base

@@ -17,10 +17,18 @@ rule enforces it; ``docs/extending.md`` documents each piece):
 * what autograd holds: :func:`classify_packed`, :class:`PackedKind`,
   :func:`records_of_node`, :func:`live_scope_records`;
 * storage identity: :func:`plain`, :func:`storage_key`, :func:`storage_nbytes`,
-  :class:`StorageKey`.
+  :class:`StorageKey`;
+* the value check (``determinism_check="values"``): :func:`values_check_enabled`,
+  :func:`fingerprint`, :func:`fingerprints_differ`, :func:`raise_at_backward_end`.
 """
 
 from remat_dist.core._checkpoint import checkpoint as checkpoint
+from remat_dist.core._fingerprint import (
+    fingerprint,
+    fingerprints_differ,
+    raise_at_backward_end,
+    values_check_enabled,
+)
 from remat_dist.core._hooks import (
     current_saved_tensor_info as current_saved_tensor_info,
 )
@@ -72,12 +80,16 @@ __all__ = [
     "classify_packed",
     "current_frame",
     "declare_option",
+    "fingerprint",
+    "fingerprints_differ",
     "live_records",
     "live_scope_records",
     "plain",
+    "raise_at_backward_end",
     "records_of_node",
     "register_observer",
     "set_default_state_hooks_provider",
     "storage_key",
     "storage_nbytes",
+    "values_check_enabled",
 ]

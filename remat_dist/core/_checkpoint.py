@@ -31,7 +31,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
-from remat_dist.core import _compile, _record, _replay_check, _standin
+from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist._torch._pytree import tree_leaves
+from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
     as_hooks,
     entry_hooks,
@@ -52,7 +54,7 @@ __all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DETERMINISM_CHECKS = ("none", "default")
+_DETERMINISM_CHECKS = ("none", "default", "values")
 
 
 class _UnsupportedOption(RematUsageError, NotImplementedError):
@@ -90,8 +92,14 @@ def checkpoint(
             replays exactly. Pass ``()`` for none at all.
         saved_tensors_hooks: hooks applied to what this checkpoint keeps: its
             inputs, save-region saves and persisted outputs.
-        determinism_check: ``"none"`` or ``"default"`` (torch's metadata check of
-            recomputed tensors).
+        determinism_check: ``"none"``, ``"default"`` (torch's metadata check of
+            recomputed tensors) or ``"values"``: each tensor the replay saves,
+            and the input of each collective it re-issues, is compared with a
+            fingerprint taken on forward (an on-device integer hash, no copy
+            kept); a difference raises ``ReplayValueMismatchError`` at the end of
+            backward (on every rank at stake). ``REMAT_DIST_DETERMINISM_CHECK=values``
+            in the environment turns it on for every checkpoint of the process.
+            See ``docs/distributed.md``.
         preserve_rng_state: ``False`` only, torch_remat's default, accepted so that
             code written for torch_remat (torchtitan passes it explicitly) runs
             unchanged. It adds nothing: RNG replays through
@@ -120,9 +128,9 @@ def checkpoint(
                 "replays through recompute_state_hooks."
             )
         raise _UnsupportedOption(
-            f"remat_dist.checkpoint(region_name={where!r}): preserve_rng_state is not "
-            "supported (only False, torch_remat's default, is accepted; torch_remat "
-            "refuses True too). RNG and other state are kept aligned by state hooks, "
+            f"remat_dist.checkpoint(region_name={where!r}) does not preserve torch's "
+            "RNG state (preserve_rng_state must be False, torch_remat's default; "
+            "torch_remat refuses True too). RNG and other state are kept aligned by state hooks, "
             "restored at entry and after every save region. Fix: pass "
             "recompute_state_hooks=remat_dist.distributed.default_state_hooks() (this "
             "rank's device RNG; cpu=True adds the CPU generator) or "
@@ -253,7 +261,9 @@ def _run_checkpoint(
                 *args,
                 use_reentrant=False,
                 preserve_rng_state=False,
-                determinism_check=options.determinism_check,
+                # "values" is remat_dist's own (_fingerprint); torch checks metadata
+                determinism_check="none" if options.determinism_check == "values"
+                else options.determinism_check,
                 context_fn=lambda: (forward_phase, replay_phase),
             )
         except BaseException:
@@ -306,7 +316,7 @@ def _replay_first(anchor: Any, out: Any) -> None:
 
     nodes = {
         id(t.grad_fn): t.grad_fn
-        for t in torch.utils._pytree.tree_leaves(out)
+        for t in tree_leaves(out)
         if isinstance(t, torch.Tensor) and t.grad_fn is not None
     }
     for node in nodes.values():
@@ -361,7 +371,7 @@ class _Phase:
         raising: BaseException | None = None
         try:
             if self.replay:
-                if exc_type is torch_checkpoint._StopRecomputationError:
+                if exc_type is StopRecomputationError:
                     phase, exc = CheckpointPhase.STOPPED_EARLY, None
                 elif exc is None:
                     phase = CheckpointPhase.REPLAYED
@@ -371,11 +381,15 @@ class _Phase:
                             phase = CheckpointPhase.REPLAY_FAILED
                 else:
                     phase = CheckpointPhase.REPLAY_FAILED
-                    if record.pack_specs is not None and _record.absorbs(record, exc):
+                    if _record.absorbs(record, exc):
                         _standin.complete_with_stand_ins(record)
                         exc, absorbed = None, True
                     else:
                         _replay_check.annotate(record, exc)
+                if exc is None and not absorbed:  # determinism_check="values"
+                    raising = exc = _fingerprint.replay_done(record)
+                    if raising is not None:
+                        phase = CheckpointPhase.REPLAY_FAILED
                 _restore(record, self._outside, "replay end")  # still recomputing
                 self._outside = ()
                 record.phase = phase

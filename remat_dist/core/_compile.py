@@ -69,6 +69,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._dynamo import assume_constant_result
 from remat_dist.core import _record
 from remat_dist.core._compile_runtime import (
     RuntimeContext,
@@ -88,6 +89,7 @@ __all__ = [
     "fallback_name",
     "fallback_region_call",
     "name_scope",
+    "nested_in_save",
     "recompute_needs_tensor",
     "refuse",
     "region_call",
@@ -115,7 +117,7 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _enclosing() -> tuple[str | None, str | None, str | None, str]:
     """``(checkpoint name, innermost mode, region name, name prefix)`` of the code
     Dynamo is tracing now, read from the active ``fx.traceback.annotate`` s.
@@ -133,7 +135,7 @@ def _enclosing() -> tuple[str | None, str | None, str | None, str]:
     )
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _eager_checkpoint() -> str:
     """The eager checkpoint whose forward or replay calls the code Dynamo traces
     now (``""`` if none), read at trace time and folded in as a constant."""
@@ -156,7 +158,7 @@ def _refuse_inside_eager(what: str) -> None:
         )
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def refuse(message: str) -> None:
     """Raise :class:`RematUsageError` at trace time, under ``fullgraph=True`` or not.
 
@@ -392,11 +394,7 @@ def fallback_region_call(
     checkpoint_name, mode, region_name = _fallback.get()  # type: ignore[misc]
     qual = f"{checkpoint_name}::{name_prefix_var.get()}{name}"
     if recompute and mode == "save":
-        raise RematUsageError(
-            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
-            f"{region_name!r}, whose body is never replayed. Fix: move the recompute "
-            "region out of the save region, or make it recompute=False."
-        )
+        raise RematUsageError(nested_in_save(qual, region_name))
     token = _fallback.set((checkpoint_name, "recompute" if recompute else "save", qual))
     try:
         out = fn(*args, **kwargs)
@@ -425,11 +423,7 @@ def region_call(
         return fn(*args, **kwargs)
     qual = f"{checkpoint_name}::{prefix}{name}"
     if recompute and mode == "save":
-        refuse(
-            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
-            f"{region_name!r}, whose body is never replayed. Fix: move the recompute "
-            "region out of the save region, or make it recompute=False."
-        )
+        refuse(nested_in_save(qual, region_name))
     with fx_traceback.annotate(
         {_REGION: qual, ANNOTATION: "recompute" if recompute else "save"}
     ):
@@ -437,6 +431,18 @@ def region_call(
     if not _region_output_ok(out):
         refuse(_bad_output(qual, out))
     return out
+
+
+def nested_in_save(qual: str, save_region: str | None) -> str:
+    """The error for a recompute region inside a save region, eager or compiled
+    (torch_remat's key phrase first)."""
+    return (
+        f"remat_dist: region {qual!r} was called with recompute=True while nested "
+        f"inside a recompute=False (SAVE) region: region {qual!r} (recompute=True) "
+        f"is nested inside save region {save_region!r}, whose body is never replayed. "
+        "Fix: move the recompute region out of the save region, or make it "
+        "recompute=False."
+    )
 
 
 def _bad_output(qual: str, out: Any) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch import _autograd
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._storage import storage_key
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
@@ -66,6 +67,11 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
             f"name -> tensor, got {type(saved).__name__}. Fix: pass "
             "{'name': tensor, ...}."
         )
+    if torch.compiler.is_compiling():
+        # a compiled graph keeps its saves in one compiled node that no report
+        # names: trace the save only (storage keys and context vars do not trace)
+        ctx.save_for_backward(*saved.values())
+        return
     names: dict[tuple[Any, ...], str] = {}
     for name, t in saved.items():
         if not isinstance(name, str) or not name:
@@ -234,7 +240,7 @@ def entry_hooks(explicit: saved_tensors_hooks | None) -> saved_tensors_hooks | N
     """
     if explicit is not None:
         return explicit
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _autograd.top_saved_tensors_hooks(False)
     if top is None:
         return None
     pack, unpack = top

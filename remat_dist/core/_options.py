@@ -18,7 +18,7 @@ from remat_dist._errors import RematUsageError
 
 __all__ = ["CheckpointOptions", "OptionSpec", "declare_option", "declared_options"]
 
-DeterminismCheck = Literal["none", "default"]
+DeterminismCheck = Literal["none", "default", "values"]
 
 
 @dataclass(frozen=True)

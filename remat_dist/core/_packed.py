@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core._scope_record import _Handle
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class _UserPacked:
 def _link_to_graph(record: CheckpointRecord, out: Any) -> None:
     """Let graph walks (reports) find the record from the output nodes, weakly."""
     ref = weakref.ref(record)
-    for t in torch.utils._pytree.tree_leaves(out):
+    for t in tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             t.grad_fn.metadata.setdefault(RECORDS_METADATA_KEY, []).append(ref)
 

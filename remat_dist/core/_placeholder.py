@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from remat_dist._errors import PlaceholderAccessError
+from remat_dist._torch import _tensor
+from remat_dist._torch._pytree import tree_map
 from remat_dist.core._state import is_recomputing
 
 __all__ = ["Placeholder", "is_placeholder", "make_placeholder"]
@@ -43,7 +44,7 @@ class Placeholder(torch.Tensor):
         origin: str,
         index: int,
     ) -> Placeholder:
-        out = torch.Tensor._make_wrapper_subclass(
+        out = _tensor.make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride(),
@@ -58,7 +59,7 @@ class Placeholder(torch.Tensor):
         out._index = index
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _tensor.disabled_torch_function_impl
 
     def __repr__(self) -> str:  # never touches data
         return (

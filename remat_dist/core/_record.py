@@ -142,13 +142,12 @@ class CheckpointRecord:
         extensions: per-observer data (the distributed ledger lives here).
         phase: the :class:`CheckpointPhase`; ``replaying``, ``forward_done`` and
             ``stopped_early`` read it.
-        pack_specs: None, or (set to a list by an observer on forward start) the
-            spec of every tensor torch's checkpoint saved, in order; lets the core
-            complete a failed replay with stand-ins (``_standin``).
         replay_packs: saved tensors the current replay has recomputed so far.
-        saved_meta: shape, dtype and device of every tensor torch's
-            checkpoint saved on forward, in order; each replay is checked against
-            it (``_replay_check``).
+        saved_meta: shape, dtype, device and strides (and a tensor subclass's
+            structure) of every tensor torch's checkpoint saved on forward, in
+            order; each replay is checked against it (``_replay_check``), and a
+            failed replay an observer absorbs is completed with stand-ins built
+            from it (``_standin``).
     """
 
     __slots__ = (
@@ -161,7 +160,6 @@ class CheckpointRecord:
         "extensions",
         "phase",
         "replay_count",
-        "pack_specs",
         "replay_packs",
         "saved_meta",
         "_cursor",
@@ -186,7 +184,6 @@ class CheckpointRecord:
         self.extensions: dict[str, Any] = {}
         self.phase = CheckpointPhase.FORWARD
         self.replay_count = 0
-        self.pack_specs: list[Any] | None = None
         self.replay_packs = 0
         self.saved_meta: list[tuple[Any, ...]] = []
         self._cursor = 0
@@ -274,7 +271,7 @@ class CheckpointObserver(Protocol):
 
     def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
         """A replay raised ``error``. Return True to absorb it: the core completes
-        the replay with stand-ins (needs ``record.pack_specs``) and backward goes
+        the replay with stand-ins (from ``record.saved_meta``) and backward goes
         on with wrong values, so the observer must make the step fail later."""
         ...
 

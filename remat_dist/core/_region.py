@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from remat_dist._errors import RematError, RematUsageError
+from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _record
 from remat_dist.core._options import resolve
 from remat_dist.core._placeholder import make_placeholder
@@ -89,10 +90,14 @@ def region(
     the default, takes the checkpoint's mode). ``**options`` are further region
     options a layer above declared (``core.declare_option``).
     """
-    if not callable(function):
+    # Dynamo cannot trace callable() on every callable (autograd.Function.apply):
+    # under torch.compile a non-callable fails at its call instead.
+    if not _compile.compiling() and not callable(function):
         raise RematUsageError(
-            f"remat_dist.region(function, {name!r}, ...): function must be callable, "
-            f"got {type(function).__name__}."
+            f"remat_dist.region(function, {name!r}, ...): region expects a function as "
+            f"its first argument, got {type(function).__name__}. Fix: pass the "
+            f"function or module to run, e.g. region(self.mlp, {name!r}, "
+            "recompute=False)(x)."
         )
     if not isinstance(name, str) or not name:
         raise RematUsageError(
@@ -136,7 +141,8 @@ def _region_forward(
     qual, local = _qualified(record, call.name)
     if qual in record._names:
         raise RematUsageError(
-            f"remat_dist: region {local!r} was entered twice in one forward of "
+            f"remat_dist: Duplicate torch_remat region name {qual!r} during forward: "
+            f"region {local!r} was entered twice in one forward of "
             f"checkpoint {record.name!r}. Fix: give each call its own name, or wrap "
             "repeated sub-blocks in remat_dist.name_scope('part0'), "
             "name_scope('part1'), ..."
@@ -144,11 +150,7 @@ def _region_forward(
     parent = record._stack[-1] if record._stack else None
     inside_save = parent is not None and (parent.inside_save or not parent.recompute)
     if call.recompute and inside_save:
-        raise RematUsageError(
-            f"remat_dist: region {qual!r} (recompute=True) is nested inside save region "
-            f"{parent.name!r}, whose body is never replayed. Fix: move the recompute "
-            "region out of the save region, or make it recompute=False."
-        )
+        raise RematUsageError(_compile.nested_in_save(qual, parent.name))
     rr = RegionRecord(
         name=qual,
         local_name=local,
@@ -220,18 +222,41 @@ def _reject_fresh_leaves(
         if t is None or not (t.requires_grad and t.grad_fn is None):
             continue
         if isinstance(t, torch.nn.Parameter) or any(
-            t is a for a in torch.utils._pytree.tree_leaves(given)
+            t is a for a in tree_leaves(given)
         ):
             continue
         raise RematUsageError(
             f"remat_dist: region {rr.name!r} (checkpoint {record.name!r}, "
-            f"recompute={rr.recompute}) returned at output {j} a fresh leaf tensor "
-            "that requires grad (requires_grad=True and no grad_fn), created inside "
-            "the region. It is not connected to the region's inputs and its replay "
+            f"recompute={rr.recompute}) returned a leaf tensor that requires grad: "
+            f"output {j} is a fresh leaf tensor that requires grad (requires_grad=True "
+            "and no grad_fn), created inside the region. It is not connected to the "
+            "region's inputs and its replay "
             "would be another tensor. Fix: create it outside the checkpoint (e.g. as "
             "a module parameter) and pass it in, or return the result of a "
             "computation on it."
         )
+
+
+def _conflicting_recompute(checkpoint: str, qual: str, on_forward: bool) -> str:
+    """The error for a region whose ``recompute`` differs on replay (torch_remat's
+    key phrases first: ``No save record`` is what it raises for True -> False)."""
+    if on_forward:
+        lead = (
+            f"No save record for {qual!r} during recompute; the forward ran it with "
+            "recompute=True but the replay with recompute=False (Conflicting recompute "
+            "settings)"
+        )
+    else:
+        lead = (
+            f"Conflicting recompute settings for {qual!r}: the forward ran it with "
+            "recompute=False but recompute runs it with recompute=True"
+        )
+    return (
+        f"remat_dist: {lead}. The replay of checkpoint {checkpoint!r} must take the "
+        "same path as its forward. Fix: compute recompute= from the inputs or the "
+        "configuration only, never from remat_dist.is_recomputing() or state that "
+        "changes between forward and backward."
+    )
 
 
 def _describe(out: Any) -> str:
@@ -249,7 +274,12 @@ def _region_replay(
     qual, _ = _qualified(record, call.name)
     cursor = record._cursor
     expected = record.regions[cursor] if cursor < len(record.regions) else None
-    if expected is None or expected.name != qual or expected.recompute != call.recompute:
+    if expected is not None and expected.name == qual:
+        if expected.recompute != call.recompute:
+            raise RematError(
+                _conflicting_recompute(record.name, qual, expected.recompute)
+            )
+    if expected is None or expected.name != qual:
         what = (
             "no more regions"
             if expected is None

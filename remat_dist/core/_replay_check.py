@@ -1,8 +1,8 @@
 """Checking that a replay does what its forward did, saved tensor by saved tensor.
 
 Every tensor torch's checkpoint saves in a checkpoint's forward passes the core's
-tracking hook (``_standin.tracking``), which notes its shape, dtype and device
-(:func:`saved_meta`, in ``record.saved_meta``). The replay's saves
+tracking hook (``_standin.tracking``), which notes its shape, dtype, device and
+strides in ``record.saved_meta``. The replay's saves
 pass the same hook in the same order, and the first one that differs raises
 :class:`~remat_dist.ReplayMismatchError` at once: before the different
 tensor reaches model code that would fail deep inside with a shape error (a KV
@@ -30,7 +30,7 @@ from remat_dist._errors import RematError, ReplayMismatchError
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
-__all__ = ["annotate", "check_replayed", "saved_meta", "short_replay"]
+__all__ = ["annotate", "check_replayed", "short_replay"]
 
 _NOTED = "_remat_dist_replay_note"
 
@@ -51,15 +51,16 @@ CAUSES = (
 )
 
 
-def saved_meta(t: torch.Tensor) -> tuple[Any, ...]:
-    """What the check compares of a saved tensor: shape, dtype, device (kept cheap:
-    it runs for every saved tensor of every checkpoint's forward)."""
-    return (t.shape, t.dtype, t.device)
-
-
 def _with_op(t: torch.Tensor) -> tuple[Any, ...]:
     node = t.grad_fn
-    return (*saved_meta(t), None if node is None else type(node).__name__)
+    return (
+        t.shape,
+        t.dtype,
+        t.device,
+        None,
+        None,
+        None if node is None else type(node).__name__,
+    )
 
 
 def check_replayed(record: CheckpointRecord, index: int, t: torch.Tensor) -> None:
@@ -107,8 +108,8 @@ def annotate(record: CheckpointRecord, exc: BaseException) -> None:
 def _describe(meta: tuple[Any, ...]) -> str:
     shape, dtype, device = meta[:3]
     made = ""
-    if len(meta) > 3:
-        made = f", made by {meta[3]}" if meta[3] is not None else ", a leaf tensor"
+    if len(meta) > 5:
+        made = f", made by {meta[5]}" if meta[5] is not None else ", a leaf tensor"
     return f"shape {tuple(shape)}, dtype {dtype}, device {device}{made}"
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from remat_dist._errors import RematError
+from remat_dist._torch import _autograd
+from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _standin
 from remat_dist.core._hooks import for_user_hook, innermost_hooks, saved_name
 from remat_dist.core._packed import _Kept, _UserPacked
@@ -62,7 +64,7 @@ def _of_parameter(t: torch.Tensor) -> bool:
     return False
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_top_hooks = _autograd.top_saved_tensors_hooks
 
 
 def _checkpoint_hooks_below() -> tuple[Any, Any] | None:
@@ -89,7 +91,7 @@ class _RegionInputs:
 
     def __init__(self, record: CheckpointRecord, args: tuple[Any, ...], kwargs: dict):
         self.by_storage: dict[Any, list[tuple[int, torch.Tensor, int]]] = {}
-        for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs))):
+        for i, a in enumerate(tree_leaves((args, kwargs))):
             if type(a) is not torch.Tensor or a.numel() == 0 or not a.is_contiguous():
                 continue
             key = storage_key(a)
@@ -181,7 +183,7 @@ def _emit_routed(
     region inputs that the forward routed to it, in the same order, rebuilt from
     this replay's (recomputed) arguments."""
     hooks = _top_hooks(False)
-    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    flat = tree_leaves((args, kwargs))
     with torch.no_grad():
         for i, a_shape, a_stride, shape, stride, rel in rr.routed:
             a = flat[i] if i < len(flat) else None
@@ -191,11 +193,20 @@ def _emit_routed(
                 or tuple(a.shape) != a_shape
                 or a.stride() != a_stride
             ):
+                got = (
+                    (tuple(a.shape), a.stride())
+                    if isinstance(a, torch.Tensor)
+                    else type(a).__name__
+                )
                 raise RematError(
-                    f"remat_dist: the replay of checkpoint {record.name!r} reached save "
-                    f"region {rr.name!r} with other inputs than the forward (input {i}: "
-                    f"expected shape {a_shape} strides {a_stride}). The checkpointed "
-                    "function must compute the same inputs on replay."
+                    f"remat_dist: save region {rr.name!r} (recompute=False) saved a "
+                    "view of an input for backward, but recompute reproduced that input "
+                    f"with a different layout (input {i}: expected shape {a_shape} "
+                    f"strides {a_stride}, got {got}). The replay of checkpoint "
+                    f"{record.name!r} reached save region {rr.name!r} with other inputs "
+                    "than the forward. Fix: compute the region's inputs the same way on "
+                    "replay (branch on remat_dist.is_recomputing() only where layouts "
+                    "stay the same), or pass .contiguous() inputs to the region."
                 )
             hooks[0](a.as_strided(shape, stride, a.storage_offset() + rel))
 
@@ -231,7 +242,7 @@ def _record_outputs(
 
 def _persist_consumed(record: CheckpointRecord, tree: Any) -> None:
     """Persist every save-region output among the tensors in ``tree``."""
-    for t in torch.utils._pytree.tree_leaves(tree):
+    for t in tree_leaves(tree):
         if isinstance(t, torch.Tensor):
             _persist_if_produced(record, t)
 

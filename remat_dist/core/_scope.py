@@ -51,14 +51,15 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
-)
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch import _autograd
+from remat_dist._torch._tensor import (
+    TorchDispatchMode,
+    current_dispatch_modes,
+    pop_dispatch_mode,
+    push_dispatch_mode,
+)
 from remat_dist.core import _state
 from remat_dist.core._scope_hooks import PackHooks, is_our_hook
 from remat_dist.core._scope_output import ScopeOutput
@@ -73,9 +74,9 @@ __all__ = [
     "live_scope_records",
 ]
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = _autograd.top_saved_tensors_hooks
+_push_hooks = _autograd.push_saved_tensors_hooks
+_pop_hooks = _autograd.pop_saved_tensors_hooks
 
 
 def active_scope_depth() -> int:
@@ -175,11 +176,11 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
             or torch.is_inference_mode_enabled()
         ):
             return self
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        if not _autograd.saved_tensors_hooks_enabled():
             raise RematUsageError(
                 "gradient_checkpoint_scope() needs saved-tensor hooks, which are "
                 "disabled here (torch.autograd.graph.disable_saved_tensors_hooks: "
-                f"{torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()}"
+                f"{_autograd.saved_tensors_hooks_disabled_message()}"
                 "). Fix: enter the scope outside the region that disables them."
             )
         thread = threading.get_ident()
@@ -251,7 +252,7 @@ def _refuse_compile() -> None:
 
 def _remove_mode(mode: TorchDispatchMode) -> bool:
     """Pop ``mode``; True if it was on top (else the modes above are put back)."""
-    stack = _get_current_dispatch_mode_stack()
+    stack = current_dispatch_modes()
     if stack and stack[-1] is mode:
         mode.__exit__(None, None, None)
         return True
@@ -259,12 +260,12 @@ def _remove_mode(mode: TorchDispatchMode) -> bool:
         return False
     above = []
     while True:
-        m = _pop_mode()
+        m = pop_dispatch_mode()
         if m is mode:
             break
         above.append(m)
     for m in reversed(above):
-        _push_mode(m)
+        push_dispatch_mode(m)
     return False
 
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat_dist._torch import _autograd
+from remat_dist._torch._tensor import DisableTorchFunctionSubclass
 from remat_dist.core._scope_replay import _Handle
 from remat_dist.core._scope_tags import (
     FLAGS,
@@ -24,10 +26,10 @@ from remat_dist.core._scope_tags import (
 if TYPE_CHECKING:
     from remat_dist.core._scope_record import ScopeRecord
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+_top_hooks = _autograd.top_saved_tensors_hooks
+_push_hooks = _autograd.push_saved_tensors_hooks
+_pop_hooks = _autograd.pop_saved_tensors_hooks
+_hooks_enabled = _autograd.saved_tensors_hooks_enabled
 
 
 class _Delegated:
@@ -106,7 +108,7 @@ class PackHooks:
                     return (t, _version(t))
         FLAGS.bypass += 1
         try:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return (t.detach(), _version(t))
         finally:
             FLAGS.bypass -= 1

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from remat_dist._torch._tensor import any_autocast_enabled
+
 __all__ = [
     "OpInfo",
     "op_info",
@@ -146,7 +148,7 @@ def autocast_state() -> tuple[Any, ...] | None:
     """The autocast state an operator runs under: None when autocast is off
     everywhere (the common case, one C call), else ``((enabled, dtype), ...)`` per
     device type in a fixed order, interned so equal states are the same object."""
-    if not torch._C._is_any_autocast_enabled():
+    if not any_autocast_enabled():
         return None
     state = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AC_DEVICES

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat_dist._torch import _tensor
 from remat_dist.core._scope_hooks import (
     PackHooks,
     _hooks_enabled,
@@ -36,13 +37,13 @@ from remat_dist.core._scope_tags import (
 if TYPE_CHECKING:
     from remat_dist.core._scope_record import ScopeRecord
 
-_DISABLED_TF = torch._C._disabled_torch_function_impl
+_DISABLED_TF = _tensor.disabled_torch_function_impl
 
 
 def _metadata_functions() -> frozenset[Any]:
     """Tensor attribute getters and methods that neither save nor alias a tensor:
     a scope output answers them without the hook."""
-    base = torch._C.TensorBase
+    base = _tensor.TensorBase
     getters = [
         "shape",
         "dtype",
@@ -150,7 +151,7 @@ class ScopeOutput(torch.Tensor):
         for tp in types:
             if tp is not cls and tp.__torch_function__ is not _DISABLED_TF:
                 return NotImplemented
-        with torch._C.DisableTorchFunctionSubclass():
+        with _tensor.DisableTorchFunctionSubclass():
             if func in _METADATA:
                 return func(*args, **kwargs)
             local: dict[int, tuple[ScopeRecord, int]] | None = None

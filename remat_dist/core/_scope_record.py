@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from remat_dist._torch import _tensor
 from remat_dist.core import _scope_ops, _scope_output, _scope_replay
 from remat_dist.core._scope_hooks import _top_hooks, is_our_hook
 from remat_dist.core._scope_output import ScopeOutput
@@ -78,7 +79,7 @@ def live_scope_records() -> list[ScopeRecord]:
 
 
 _INFO = _scope_ops.INFO
-_any_autocast = torch._C._is_any_autocast_enabled
+_any_autocast = _tensor.any_autocast_enabled
 
 
 class ScopeRecord:
@@ -150,7 +151,7 @@ class ScopeRecord:
                     key = _storage_key(t)
                     if key is None:
                         continue
-                    with torch._C.DisableTorchFunctionSubclass():
+                    with _tensor.DisableTorchFunctionSubclass():
                         base = t._base
                         leaf = t.is_leaf or (base is not None and base.is_leaf)
                         sizes[key] = t.untyped_storage().nbytes()
@@ -264,7 +265,7 @@ class ScopeRecord:
                 self.base_by_key[key] = base
                 # A weak reference keeps the StorageImpl's address from being
                 # reused for another storage while it is a key of base_by_key.
-                self._storage_weak.append(storage._weak_ref())
+                self._storage_weak.append(_tensor.storage_weak_ref(storage))
             self.slot_base.append(base)
             self.slot_op.append(op_index)
             entry = (weakref.ref(o), self, slot)
@@ -381,7 +382,7 @@ class ScopeRecord:
         with self.lock:
             self.exited = True
             for ref in self._storage_weak:
-                torch.UntypedStorage._free_weak_ref(ref)
+                _tensor.free_storage_weak_ref(ref)
             self._storage_weak = []
             self.base_by_key = {}
             self.ext_alias_outs = None

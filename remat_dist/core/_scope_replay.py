@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat_dist._errors import RematError
+from remat_dist._torch import _autograd, _tensor
 from remat_dist.core import _scope_ops
 from remat_dist.core._scope_tags import (
     FLAGS,
@@ -81,7 +82,7 @@ class _Handle:
                 if conj:
                     t = t.conj()
                 if neg:
-                    t = torch._neg_view(t)
+                    t = _tensor.neg_view(t)
         finally:
             FLAGS.replaying -= 1
         return t
@@ -105,7 +106,7 @@ def unpack(record: ScopeRecord, h: _Handle) -> torch.Tensor:
                 "reports this too). Fix: clone it before modifying it."
             )
         record.unpacked_any = True
-        gid = torch._C._current_graph_task_id()
+        gid = _autograd.current_graph_task_id()
         root = None
         cache = record._cache.get(gid) if gid >= 0 else None
         if cache is not None:
@@ -121,7 +122,7 @@ def unpack(record: ScopeRecord, h: _Handle) -> torch.Tensor:
             if gid >= 0:
                 if cache is None:
                     cache = record._cache[gid] = {}
-                    torch.autograd.Variable._execution_engine.queue_callback(
+                    _autograd.queue_callback(
                         functools.partial(_drop_cache, record, gid)
                     )
                 left = base.handles - 1
@@ -187,7 +188,7 @@ def _replay(record: ScopeRecord, target: int) -> dict[int, torch.Tensor]:
     current_autocast: Any = _UNSET
     FLAGS.replaying += 1
     try:
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), _tensor.DisableTorchFunction():
             torch.set_autocast_cache_enabled(False)
             for j in order:
                 op = ops[j]

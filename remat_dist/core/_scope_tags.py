@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from remat_dist._torch._tensor import DisableTorchFunctionSubclass
+
 if TYPE_CHECKING:
     from remat_dist.core._scope_record import ScopeRecord
 
@@ -101,7 +103,7 @@ def _version(t: torch.Tensor) -> int | None:
     try:
         if type(t) is torch.Tensor:
             return t._version
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return t._version
     except RuntimeError:
         # Inference tensors have no version counter.
@@ -112,7 +114,7 @@ def _storage_key(t: torch.Tensor) -> int | None:
     try:
         if type(t) is torch.Tensor:
             return t.untyped_storage()._cdata
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, TypeError):
         return None

@@ -10,8 +10,7 @@ collectives as its peers until all of them can raise together; an observer that
 absorbs an error must make sure the step fails later.
 
 The stand-ins need each saved tensor's metadata, recorded on forward by a pack hook
-pushed just above torch's (the spec only for records whose ``pack_specs`` an
-observer set to a list), which also counts the tensors a replay recomputes and
+pushed just above torch's (``record.saved_meta``), which also counts the tensors a replay recomputes and
 checks each against the forward's (``_replay_check``, for every checkpoint).
 """
 
@@ -22,17 +21,21 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
-from remat_dist.core._replay_check import check_replayed, saved_meta
+from remat_dist._torch import _autograd
+from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist.core import _fingerprint
+from remat_dist.core._replay_check import check_replayed
 
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
 __all__ = ["complete_with_stand_ins", "is_tracker", "pack_spec", "tracking"]
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_top_hooks = _autograd.top_saved_tensors_hooks
 _OPAQUE = object()
+_STRIDED = torch.strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def pack_spec(t: Any) -> tuple[Any, ...]:
@@ -67,14 +70,14 @@ def is_tracker(pack: Any) -> bool:
 @contextlib.contextmanager
 def tracking(record: CheckpointRecord) -> Iterator[None]:
     """Inside torch's checkpoint hook: on forward, note each saved tensor's metadata
-    (and its spec, where an observer tracks ``pack_specs``); on replay, check each
-    saved tensor against the forward's (``_replay_check``) and count them."""
+    (``record.saved_meta``: shape, dtype, device, strides and, for a tensor
+    subclass, its :func:`pack_spec`); on replay, check each saved tensor against
+    the forward's (``_replay_check``) and count them."""
     below = _top_hooks(False)
     if below is None:
         yield
         return
     pack_below, unpack_below = below
-    specs = record.pack_specs
     meta = record.saved_meta
     if record.replaying:
         record.replay_packs = 0
@@ -86,35 +89,40 @@ def tracking(record: CheckpointRecord) -> Iterator[None]:
             record.replay_packs = index + 1
             return pack_below(t)
 
-    elif specs is None:
-
-        def pack(t: torch.Tensor) -> Any:
-            meta.append(saved_meta(t))
-            return pack_below(t)
-
     else:
 
         def pack(t: torch.Tensor) -> Any:
-            meta.append(saved_meta(t))
-            specs.append(pack_spec(t))
+            # runs for every saved tensor of every checkpoint: plain tensors take
+            # the short path (no spec, the strides are all a stand-in needs)
+            if t.layout is _STRIDED and type(t) in _PLAIN:
+                meta.append((t.shape, t.dtype, t.device, t.stride(), None))
+            else:
+                meta.append((t.shape, t.dtype, t.device, None, pack_spec(t)))
             return pack_below(t)
 
+    pack = _fingerprint.wrap_pack(record, pack)  # determinism_check="values"
     pack._remat_tracker = True  # type: ignore[attr-defined]
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
         yield
+
+
+def _stand_in(meta: tuple[Any, ...]) -> Any:
+    shape, dtype, device, stride, spec = meta[:5]
+    if spec is not None:
+        return make_stand_in(spec)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
 
 
 def complete_with_stand_ins(record: CheckpointRecord) -> None:
     """Hand torch's recompute hook a stand-in for every saved tensor this replay did
     not recompute (runs inside the recompute context, after the replay raised)."""
     hooks = _top_hooks(False)
-    specs = record.pack_specs or []
     if hooks is None:
         return
     with torch.no_grad():
         try:
-            for spec in specs[record.replay_packs :]:
-                hooks[0](make_stand_in(spec))
+            for meta in record.saved_meta[record.replay_packs :]:
+                hooks[0](_stand_in(meta))
                 record.replay_packs += 1
-        except torch_checkpoint._StopRecomputationError:
+        except StopRecomputationError:
             pass

@@ -11,6 +11,9 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   among them at backward's end, on a side channel between those ranks
   (``mark_step`` makes a rank that checkpoints nothing take part;
   ``check_plan_consistency`` compares the full plan of a group on demand);
+* with ``determinism_check="values"``, a value check of every replayed
+  collective's input and saved tensor, reported among the ranks at stake
+  (``_values``);
 * the default state hooks: ``checkpoint`` keeps this rank's RNG aligned on replay
   without user code (``default_state_hooks``).
 
@@ -20,7 +23,13 @@ published at ``remat_dist``; ``__all__`` here lists what the layers and side
 packages above use.
 """
 
-from remat_dist.distributed import _options  # noqa: F401  (declares collectives=)
+from remat_dist._state import register_state
+from remat_dist._torch import _fsdp
+from remat_dist.distributed import (
+    _options,  # noqa: F401  (declares collectives=)
+    _step,
+    _values,  # noqa: F401  (the value check's observer)
+)
 from remat_dist.distributed._check import (
     check_plan_consistency as check_plan_consistency,  # published at remat_dist
 )
@@ -51,6 +60,19 @@ from remat_dist.distributed._step import (
 )
 
 install_default_provider()
+
+
+class _StepProcessState:
+    """The step's agreement state, step hooks and replay timeout (``_step``), reset
+    as one concern (``remat_dist.testing.reset_process_state``)."""
+
+    def reset(self) -> None:
+        _step.reset_step_state(_step._namespace)
+        _step.set_replay_timeout(_step.REPLAY_TIMEOUT_S)
+
+
+register_state("distributed.step", _StepProcessState())
+register_state("distributed.fsdp_tracking", _fsdp.STATE)
 
 __all__ = [
     "all_gather_objects",

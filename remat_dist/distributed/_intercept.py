@@ -9,13 +9,14 @@ agreeing on)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
+from remat_dist._torch import _autograd, _c10d, _fsdp
+from remat_dist._torch import _dispatch as _dk
 from remat_dist.distributed._optable import (
     _NOT_COLLECTIVES,
     TensorMeta,
@@ -34,7 +35,9 @@ __all__ = [
     "CollectiveObserver",
     "interception_key",
     "issued_by_fsdp",
+    "ObserverExtent",
     "observe_collectives",
+    "push_observer",
     "set_step_hooks",
 ]
 
@@ -115,7 +118,9 @@ class CollectiveCall:
 
     def _issue(self) -> Any:
         return _issue_bare(
-            self._spec.overload._handle.redispatch_boxed, self._keyset & _AFTER, self.args
+            _dk.redispatch_of(self._spec.overload),
+            self._keyset & _AFTER,
+            self.args,
         )
 
 
@@ -132,15 +137,7 @@ _SPECS: dict[str, _OpSpec] = {}
 
 
 def _choose_key() -> tuple[str, bool]:
-    try:
-        fake = torch._C._parse_dispatch_key("Fake")
-    except Exception:
-        fake = None
-    if (
-        fake is not None
-        and not torch._C._dispatch_has_backend_fallback(fake)
-        and not torch._C._dispatch_get_registrations_for_dispatch_key("Fake")
-    ):
+    if _dk.key_is_free("Fake"):
         return "Fake", True
     return "BackendSelect", False
 
@@ -154,16 +151,16 @@ def _install() -> None:
         from torch.library import Library, fallthrough_kernel
 
         name, toggled = _choose_key()
-        key = torch._C._parse_dispatch_key(name)
+        key = _dk.parse_dispatch_key(name)
         libs = []
         if toggled:
             fb = Library("_", "IMPL")
             fb.fallback(fallthrough_kernel, name)
             libs.append(fb)
-            _hops_fall_through(key)
+            _dk.hops_fall_through(key)
         lib = Library("c10d", "IMPL")
         specs: dict[str, _OpSpec] = {}
-        for qual in torch._C._dispatch_get_all_op_names():
+        for qual in _dk.all_op_names():
             if not qual.startswith("c10d::"):
                 continue
             op_name = qual.split("::", 1)[1]
@@ -178,27 +175,11 @@ def _install() -> None:
             lib.impl(op_name, _make_kernel(spec), name, with_keyset=True)
         libs.append(lib)
         _KEY, _KEY_NAME, _TLS_TOGGLED = key, name, toggled
-        _AFTER = torch._C._dispatch_keyset_full_after(key)
+        _AFTER = _dk.keyset_full_after(key)
+        _fsdp.track_fsdp_collectives()
         _SPECS.update(specs)
         _LIBS.extend(libs)
         _installed = True
-
-
-def _hops_fall_through(key: Any) -> None:
-    """Let higher-order operators pass the key like every ATen op does.
-
-    HOPs dispatch in Python and ignore backend fallbacks: with the key included, a
-    HOP that a compiled graph runs at runtime (``run_and_save_rng_state``, which
-    AOTAutograd puts before a recomputed random op) would find no kernel for it.
-    Existing HOPs get a fallthrough, later ones take it from torch's default list.
-    """
-    import torch._ops as ops
-
-    defaults = getattr(ops, "_HIGHER_ORDER_OP_DEFAULT_FALLTHROUGH_DISPATCH_KEYS", None)
-    if isinstance(defaults, list) and key not in defaults:
-        defaults.append(key)
-    for hop in list(getattr(ops, "_higher_order_ops", {}).values()):
-        hop.fallthrough(key)
 
 
 def interception_key() -> str:
@@ -216,12 +197,14 @@ class _TLS(threading.local):
 
 
 _tls = _TLS()
-_graph_task_id = torch._C._current_graph_task_id
+_graph_task_id = _autograd.current_graph_task_id
 _backward_hook: Callable[[], float | None] | None = None
 _forward_note: Callable[[tuple[int, ...]], None] | None = None
 
 
-def _with_timeout(spec: _OpSpec, args: tuple[Any, ...], seconds: float) -> tuple[Any, ...]:
+def _with_timeout(
+    spec: _OpSpec, args: tuple[Any, ...], seconds: float
+) -> tuple[Any, ...]:
     i = spec.timeout_idx
     assert i is not None
     out = list(args)
@@ -253,47 +236,31 @@ def set_step_hooks(
     if backward is not None or forward_note is not None:
         if not _installed:
             _install()
-        if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
-            torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
+        if _TLS_TOGGLED and not _dk.tls_key_included(_KEY):
+            _dk.tls_set_key_included(_KEY, True)
     elif (
         _installed
         and _TLS_TOGGLED
         and not _tls.stack
         and _graph_task_id() == -1  # the engine puts back the state it was called in
-        and torch._C._dispatch_tls_is_dispatch_key_included(_KEY)
+        and _dk.tls_key_included(_KEY)
     ):
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
+        _dk.tls_set_key_included(_KEY, False)
 
 
 # ------------------------------------------------------------- FSDP2's own
 
-_FSDP_FILES = ("/distributed/fsdp/_fully_shard/", "\\distributed\\fsdp\\_fully_shard\\")
-_FSDP_DEPTH = 12
-"""FSDP2 issues its collectives a few frames above the kernel (its
-``foreach_all_gather`` / ``foreach_reduce`` call ``torch.distributed`` directly): only
-that many frames are looked at, not the whole stack."""
-_is_fsdp_code: dict[Any, bool] = {}
+def issued_by_fsdp() -> bool:
+    """Whether the collective being issued is FSDP2's own: FSDP2's ``unshard`` or
+    ``post_backward`` (which issue all of them) runs on this thread, as the wrap
+    installed with the kernels counts (``_torch/_fsdp.py``)."""
+    return _fsdp.inside_fsdp()
 
 
-def issued_by_fsdp(depth: int = 1) -> bool:
-    """Whether FSDP2's code is on the stack of the collective being issued (looked
-    for from ``depth`` frames above the caller)."""
-    frame: Any = sys._getframe(depth + 1)
-    for _ in range(_FSDP_DEPTH):
-        if frame is None:
-            return False
-        code = frame.f_code
-        hit = _is_fsdp_code.get(code)
-        if hit is None:
-            hit = _is_fsdp_code[code] = any(p in code.co_filename for p in _FSDP_FILES)
-        if hit:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _note(note: Callable[[tuple[int, ...]], None], spec: _OpSpec, args: tuple[Any, ...]) -> None:
-    if spec.agree is None or issued_by_fsdp(2):
+def _note(
+    note: Callable[[tuple[int, ...]], None], spec: _OpSpec, args: tuple[Any, ...]
+) -> None:
+    if spec.agree is None or issued_by_fsdp():
         return
     note(_group_info(args[spec.group_idx]).ranks)
 
@@ -308,7 +275,7 @@ def _bypass() -> Iterator[None]:
 
 
 def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
-    redispatch = spec.overload._handle.redispatch_boxed
+    redispatch = _dk.redispatch_of(spec.overload)
 
     def kernel(keyset: Any, *args: Any) -> Any:
         tls = _tls
@@ -334,12 +301,14 @@ def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
 
 # ------------------------------------------------- issuing without Python TLS
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_top_hooks = _autograd.top_saved_tensors_hooks
+_pop_hooks = _autograd.pop_saved_tensors_hooks
+_push_hooks = _autograd.push_saved_tensors_hooks
 
 
-def _issue_bare(redispatch: Callable[..., Any], keyset: Any, args: tuple[Any, ...]) -> Any:
+def _issue_bare(
+    redispatch: Callable[..., Any], keyset: Any, args: tuple[Any, ...]
+) -> Any:
     """Issue a ``c10d::`` op with this thread's saved-tensor hooks stack emptied.
 
     A backend captures the caller's whole ``at::ThreadLocalState`` in each work it
@@ -368,15 +337,15 @@ def _issue_bare(redispatch: Callable[..., Any], keyset: Any, args: tuple[Any, ..
     try:
         return redispatch(keyset, *args)
     finally:
-        disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+        disabled = _autograd.saved_tensors_hooks_disabled_message()
         if disabled is not None:
-            torch._C._autograd._saved_tensors_hooks_enable()
+            _autograd.saved_tensors_hooks_enable()
         try:
             for pack, unpack in reversed(stashed):
                 _push_hooks(pack, unpack)
         finally:
             if disabled is not None:
-                torch._C._autograd._saved_tensors_hooks_disable(disabled)
+                _autograd.saved_tensors_hooks_disable(disabled)
 
 
 def _dispatch(stack: list[CollectiveObserver], level: int, call: CollectiveCall) -> Any:
@@ -398,6 +367,51 @@ class CollectiveObserver(Protocol):
     def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any: ...
 
 
+class ObserverExtent:
+    """One observer pushed on this thread's stack (:func:`push_observer`), popped by
+    :meth:`pop` in the callback that ends its extent: how a checkpoint's forward
+    or replay, which starts in one observer callback and ends in another, routes
+    its collectives. :func:`observe_collectives` is the ``with`` form."""
+
+    __slots__ = ("observer", "_stack", "_added")
+
+    def __init__(self, observer: CollectiveObserver) -> None:
+        self.observer = observer
+        self._stack: list[CollectiveObserver] | None = None
+        self._added = False
+        if not dist_ready():
+            return
+        if not _installed:
+            _install()
+        stack = self._stack = _tls.stack
+        stack.append(observer)
+        if _TLS_TOGGLED and not _dk.tls_key_included(_KEY):
+            _dk.tls_set_key_included(_KEY, True)
+            self._added = True
+
+    def pop(self) -> None:
+        """End the extent (idempotent; out of order only removes this observer)."""
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        if self._added:
+            _dk.tls_set_key_included(_KEY, False)
+        observer = self.observer
+        if stack and stack[-1] is observer:
+            stack.pop()
+        else:
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is observer:
+                    del stack[i]
+                    break
+
+
+def push_observer(observer: CollectiveObserver) -> ObserverExtent:
+    """Route every collective this thread issues through ``observer`` until the
+    returned extent's ``pop()`` (a no-op without an initialised process group)."""
+    return ObserverExtent(observer)
+
+
 @contextlib.contextmanager
 def observe_collectives(observer: CollectiveObserver) -> Iterator[CollectiveObserver]:
     """Route every collective this thread issues inside the block through ``observer``.
@@ -406,34 +420,16 @@ def observe_collectives(observer: CollectiveObserver) -> Iterator[CollectiveObse
     ``issue()`` hands the call to the next one out. Without ``torch.distributed``
     (or before it is initialised) this only runs the block.
     """
-    if not dist_ready():
-        yield observer
-        return
-    if not _installed:
-        _install()
-    stack = _tls.stack
-    stack.append(observer)
-    added = False
-    if _TLS_TOGGLED and not torch._C._dispatch_tls_is_dispatch_key_included(_KEY):
-        torch._C._dispatch_tls_set_dispatch_key_included(_KEY, True)
-        added = True
+    extent = ObserverExtent(observer)
     try:
         yield observer
     except BaseException as exc:
         handler = getattr(observer, "on_extent_error", None)
-        if handler is not None:
+        if handler is not None and extent._stack is not None:
             handler(exc)
         raise
     finally:
-        if added:
-            torch._C._dispatch_tls_set_dispatch_key_included(_KEY, False)
-        if stack and stack[-1] is observer:
-            stack.pop()
-        else:  # popped out of order: remove this one only
-            for i in range(len(stack) - 1, -1, -1):
-                if stack[i] is observer:
-                    del stack[i]
-                    break
+        extent.pop()
 
 
 # -------------------------------------------------------------------- results
@@ -452,15 +448,12 @@ def _work_of(result: Any, spec: _OpSpec) -> Any:
 
 
 def _completed_result(call: CollectiveCall, written: list[torch.Tensor]) -> Any:
-    from torch._C._distributed_c10d import _create_work_from_future
-
     spec = call._spec
     if spec.n_returns == 0:
         return None
     fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     fut.set_result(written)
-    work = _create_work_from_future(fut).boxed()
+    work = _c10d.work_from_future(fut).boxed()
     if spec.n_returns == 1:
         return work
     return (call._arg(spec.out_idx[0]), work)
-

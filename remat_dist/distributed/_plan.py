@@ -9,14 +9,36 @@ compared among that group's ranks only).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HEAD_ENTRIES", "PlanDigest", "explain", "failure_text", "fix_text", "plans_differ"]
+__all__ = [
+    "HEAD_ENTRIES",
+    "PlanDigest",
+    "explain",
+    "failure_text",
+    "fix_text",
+    "plans_differ",
+]
 
 HEAD_ENTRIES = 64
 """Plan entries each rank keeps (and sends) to explain a mismatch."""
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _encoded(entry: tuple[Any, ...]) -> bytes:
+    """A plan entry's JSON encoding (a model's checkpoints repeat the same few
+    entries every step: each is encoded once)."""
+    return json.dumps(entry, separators=(",", ":")).encode()
 
 
 class PlanDigest:
@@ -30,8 +52,11 @@ class PlanDigest:
         self.count = 0
         self.head: list[Any] = []
 
-    def add(self, entry: list[Any], group_fps: dict[str, str]) -> None:
-        self._hasher.update(json.dumps(entry, separators=(",", ":")).encode())
+    def add(self, entry: Sequence[Any], group_fps: dict[str, str]) -> None:
+        encoded = (
+            _encoded(entry) if isinstance(entry, tuple) else _encoded(_frozen(entry))
+        )
+        self._hasher.update(encoded)
         for key, fp in group_fps.items():
             h = self._groups.get(key)
             if h is None:
@@ -55,11 +80,16 @@ class PlanDigest:
         """The value as two 62-bit integers (what a side-channel round compares)."""
         d = hashlib.sha256(self.value().encode()).digest()
         mask = (1 << 62) - 1
-        return [int.from_bytes(d[:8], "big") & mask, int.from_bytes(d[8:16], "big") & mask]
+        return [
+            int.from_bytes(d[:8], "big") & mask,
+            int.from_bytes(d[8:16], "big") & mask,
+        ]
 
     def payload(self) -> bytes:
         """What this rank sends to explain a mismatch."""
-        return json.dumps({"v": self.value(), "head": self.head}, separators=(",", ":")).encode()
+        return json.dumps(
+            {"v": self.value(), "head": self.head}, separators=(",", ":")
+        ).encode()
 
 
 def fix_text() -> str:
@@ -123,12 +153,21 @@ def explain(plans: dict[int, dict[str, Any]], what: str) -> str:
                 (i for i, (a, b) in enumerate(zip(mine, ref)) if tuple(a) != tuple(b)),
                 min(len(mine), len(ref)),
             )
-            theirs = f"{mine[i][0]} ({mine[i][1]})" if i < len(mine) else "(nothing more)"
-            expected = f"{ref[i][0]} ({ref[i][1]})" if i < len(ref) else "(nothing more)"
-            lines.append(f"  rank {r} at entry {i}: {theirs}   ranks {ref_ranks}: {expected}")
+            theirs = (
+                f"{mine[i][0]} ({mine[i][1]})" if i < len(mine) else "(nothing more)"
+            )
+            expected = (
+                f"{ref[i][0]} ({ref[i][1]})" if i < len(ref) else "(nothing more)"
+            )
+            lines.append(
+                f"  rank {r} at entry {i}: {theirs}   ranks {ref_ranks}: {expected}"
+            )
         return (
             f"{what} failed: ranks {differ} ran another checkpoint/region plan than "
-            f"ranks {ref_ranks}; first difference:\n" + "\n".join(lines) + "\n" + fix_text()
+            f"ranks {ref_ranks}; first difference:\n"
+            + "\n".join(lines)
+            + "\n"
+            + fix_text()
         )
     heads = {r: p["head"] for r, p in plans.items()}
     keys = _group_mismatches({r: json.loads(p["v"])["g"] for r, p in plans.items()})
@@ -142,7 +181,9 @@ def explain(plans: dict[int, dict[str, Any]], what: str) -> str:
             (i for i in sorted(by_ckpt) if len(set(by_ckpt[i].values())) > 1), None
         )
         if first is None:
-            lines.append(f"  {_group_text(key)}: the ranks issued other collectives on it")
+            lines.append(
+                f"  {_group_text(key)}: the ranks issued other collectives on it"
+            )
             continue
         name = next(iter(heads.values()))[first][0]
         fps = by_ckpt[first]

@@ -32,16 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.utils.checkpoint as torch_checkpoint
-
 from remat_dist._errors import CollectiveReplayError
 from remat_dist._logging import get_logger
+from remat_dist._torch._checkpoint import early_stop_enabled
 from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
 from remat_dist.distributed import _step
 from remat_dist.distributed._intercept import (
     CollectiveCall,
+    ObserverExtent,
     issued_by_fsdp,
-    observe_collectives,
+    push_observer,
 )
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.distributed._ready import dist_ready
@@ -58,6 +58,7 @@ log = get_logger(__name__)
 
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
+
 
 @dataclass
 class LedgerState:
@@ -80,7 +81,10 @@ class LedgerState:
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Save region index -> ledger positions ``[start, end)`` it issued on forward
     (skipped on replay together with the region)."""
-    _extent: Any = None
+    _extent: ObserverExtent | None = None
+    """The observer routing this checkpoint's collectives while its forward or a
+    replay runs: pushed by ``on_checkpoint_start``, popped by
+    ``on_checkpoint_end`` (the core calls both, the end also when it raises)."""
     _observer: Any = None
     _recorder: Any = None
     _starts: dict[int, int] = field(default_factory=dict)
@@ -104,7 +108,11 @@ class LedgerState:
             e
             for i, e in enumerate(self.ledger.entries)
             if i not in skipped
-            and (not self.early_stop or e.packs_before < 0 or e.packs_before < forward_packs)
+            and (
+                not self.early_stop
+                or e.packs_before < 0
+                or e.packs_before < forward_packs
+            )
         ]
 
 
@@ -117,7 +125,7 @@ class _SkipFSDP:
         self.replay = replay
 
     def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
-        if issued_by_fsdp(2):
+        if issued_by_fsdp():
             if self.replay is None:
                 self.state.fsdp_collectives += 1
                 self.state.fsdp_stakes.add(call.group.ranks)
@@ -148,23 +156,24 @@ def ledger_of(record: CheckpointRecord) -> LedgerState | None:
     return record.extensions.get(LEDGER_KEY)
 
 
-def plan_of(record: CheckpointRecord) -> list[Any]:
+def plan_of(record: CheckpointRecord) -> tuple[Any, ...]:
     """One checkpoint's plan entry: its name, collective mode, and each region's
-    decision and collective mode (regions nested in save regions never replay)."""
+    decision and collective mode (regions nested in save regions never replay).
+    Hashable, so that a digest can reuse the encoding of an entry it has seen."""
     mode = record.options.get("collectives")
-    return [
+    return (
         record.name,
         mode,
-        [
-            [
+        tuple(
+            (
                 r.local_name,
                 "recompute" if r.recompute else "save",
                 r.options.get("collectives") or mode,
-            ]
+            )
             for r in record.regions
             if not r.inside_save
-        ],
-    ]
+        ),
+    )
 
 
 class _LedgerObserver:
@@ -173,17 +182,16 @@ class _LedgerObserver:
             return
         if not replay:
             mode = record.options.get("collectives")
-            early = torch_checkpoint._enable_checkpoint_early_stop is not False
+            early = early_stop_enabled()
             state = LedgerState(CollectiveLedger(), mode, early_stop=early)
-            specs: list[Any] = []
-            record.pack_specs = specs
             recorder = RecordCollectives(
-                state.ledger, keep_outputs=mode == "save", packs=specs.__len__
+                state.ledger,
+                keep_outputs=mode == "save",
+                packs=record.saved_meta.__len__,
             )
             state._recorder = recorder
             _step.current_step().checkpoint_starts()
-            state._extent = observe_collectives(_SkipFSDP(recorder, state, None))
-            state._extent.__enter__()
+            state._extent = push_observer(_SkipFSDP(recorder, state, None))
             record.extensions[LEDGER_KEY] = state
             return
         state = ledger_of(record)
@@ -191,13 +199,19 @@ class _LedgerObserver:
             return
         import torch.distributed as dist
 
-        _step.current_step().replay_starts(state.stakes)
-        expected = state.replay_plan(len(record.pack_specs or ()))
+        if state.stakes:
+            _step.current_step().replay_starts(state.stakes)
+        # else: at stake nowhere (its forward issued no collective but FSDP2's
+        # own, on no FSDP group): no agreement to join here; a collective this
+        # replay issues anyway is refused by the verifier below
+        expected = state.replay_plan(len(record.saved_meta))
         served = any(e.kept is not None for e in expected)
         if log.isEnabledFor(10):  # DEBUG
             log.debug(
                 "replay of '%s': %d of the forward's %d collectives (%d served)%s",
-                record.name, len(expected), len(state.ledger),
+                record.name,
+                len(expected),
+                len(state.ledger),
                 sum(e.kept is not None for e in expected),
                 "".join(f"\n  #{e.position}: {e.describe()}" for e in expected),
             )
@@ -211,8 +225,7 @@ class _LedgerObserver:
             op_timeout=_step.replay_timeout(),
             forward_total=len(state.ledger),
         )
-        state._extent = observe_collectives(_SkipFSDP(state._observer, state, counts))
-        state._extent.__enter__()
+        state._extent = push_observer(_SkipFSDP(state._observer, state, counts))
 
     def on_region_start(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
@@ -248,7 +261,9 @@ class _LedgerObserver:
         message = observer.fail(error)
         log.warning(
             "replay of '%s' failed here; its peers were released and every rank "
-            "raises at backward's end: %s", record.name, message,
+            "raises at backward's end: %s",
+            record.name,
+            message,
         )
         _step.current_step().fail(message)
         return True
@@ -261,11 +276,15 @@ class _LedgerObserver:
             return
         extent, state._extent = state._extent, None
         observer, state._observer = state._observer, None
-        extent.__exit__(None, None, None)
+        extent.pop()
         if not replay:
             state._recorder = None
             if error is None:
-                by_stake = stakes_of(state)
+                by_stake = (
+                    stakes_of(state)
+                    if state.ledger.entries or state.fsdp_stakes
+                    else {}
+                )
                 state.stakes = tuple(sorted(by_stake))
                 _step.current_step().add_checkpoint(plan_of(record), by_stake)
             return

@@ -26,7 +26,6 @@ their backend defines it.
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from remat_dist._torch._dtensor import dtensor_rng_tracker
 from remat_dist.distributed._rank_device import (
     accelerator_type,
     current_index,
@@ -252,11 +252,7 @@ class DTensorRNGState(NamedTuple):
     generators: tuple[tuple[torch.device, Any], ...]
 
 
-def _dtensor_tracker() -> Any:
-    # Not imported here: if DTensor's random module was never imported, no tracker
-    # exists and no DTensor random op has run.
-    mod = sys.modules.get("torch.distributed.tensor._random")
-    return None if mod is None else getattr(mod, "_rng_tracker", None)
+_dtensor_tracker = dtensor_rng_tracker
 
 
 class DTensorRNGStateHook:

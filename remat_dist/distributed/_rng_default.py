@@ -11,8 +11,11 @@ initialised accelerator's) in a single process. The hooks themselves are in
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from remat_dist._state import register_state
 from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
 from remat_dist.distributed._rank_device import accelerator_type, rank_device
 from remat_dist.distributed._ready import dist_ready
@@ -48,7 +51,23 @@ def default_state_hooks(
     return tuple(hooks)
 
 
-_provider_cache: dict[torch.device, tuple[RecomputeStateHook, ...]] = {}
+@dataclass
+class DefaultHooksCache:
+    """The default state hooks made so far: per device while a process group is up
+    (``provider``), per accelerator in one process (``single``). The hooks hold no
+    per-call state, so one set per key is reused."""
+
+    provider: dict[torch.device, tuple[RecomputeStateHook, ...]] = field(
+        default_factory=dict
+    )
+    single: dict[str, tuple[RecomputeStateHook, ...]] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.provider.clear()
+        self.single.clear()
+
+
+_CACHE = register_state("distributed.default_state_hooks", DefaultHooksCache())
 
 
 def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
@@ -61,13 +80,10 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     # state: reuse one set per device (resolved per call, so a set_device after
     # install is honoured).
     device = torch.device("cpu") if dist.get_backend() == "gloo" else rank_device()
-    hooks = _provider_cache.get(device)
+    hooks = _CACHE.provider.get(device)
     if hooks is None:
-        hooks = _provider_cache[device] = default_state_hooks(device)
+        hooks = _CACHE.provider[device] = default_state_hooks(device)
     return hooks
-
-
-_single: dict[str, tuple[RecomputeStateHook, ...]] = {}
 
 
 def _single_process_hooks() -> tuple[RecomputeStateHook, ...]:
@@ -82,12 +98,12 @@ def _single_process_hooks() -> tuple[RecomputeStateHook, ...]:
         is_init = getattr(module, "is_initialized", None)
         initialized = bool(is_init()) if callable(is_init) else False
     key = acc if initialized else "cpu"
-    hooks = _single.get(key)
+    hooks = _CACHE.single.get(key)
     if hooks is None:
         hooks = (CPURNGStateHook(),)
         if initialized:
             hooks += (DeviceRNGStateHook(),)
-        _single[key] = hooks
+        _CACHE.single[key] = hooks
     return hooks
 
 

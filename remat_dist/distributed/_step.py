@@ -44,10 +44,12 @@ import torch
 
 from remat_dist._errors import CollectiveReplayError, PlanMismatchError
 from remat_dist._logging import get_logger
+from remat_dist._torch import _autograd, _c10d
 from remat_dist.distributed._channel import ChannelFailure, SideChannel
 from remat_dist.distributed._intercept import set_step_hooks
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
+from remat_dist.distributed._value_texts import report_error_class
 
 __all__ = [
     "StepState",
@@ -64,8 +66,8 @@ REPLAY_TIMEOUT_S = 20.0
 """Default bound (seconds) for an agreement, a report, and each replayed collective."""
 
 _timeout = REPLAY_TIMEOUT_S
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = _autograd.queue_callback
+_graph_task_id = _autograd.current_graph_task_id
 
 Stake = tuple[int, ...]
 
@@ -130,12 +132,11 @@ class StepState:
 
     def __init__(self, world: Any, namespace: str) -> None:
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
 
         self.world = world
         self.namespace = namespace
         self.rank = dist.get_rank()
-        self.store = c10d._get_default_store()
+        self.store = _c10d.default_store()
         self.stakes: dict[Stake, _StakeState] = {}
         self.task: _Task | None = None
         self.owed: _Task | None = None
@@ -348,7 +349,9 @@ class StepState:
                 continue
             failed = sorted(r for r, m in msgs.items() if m)
             reports = "\n".join(f"[rank {r}] {msgs[r].decode()}" for r in failed)
-            err = CollectiveReplayError(
+            # a replay that computed other values (determinism_check="values")
+            kind = report_error_class(msgs[r].decode() for r in failed)
+            err = kind(
                 f"the replay diverged or failed on ranks {failed}; every rank of "
                 f"{list(stake)} stops at the end of backward (the gradients of this "
                 f"step are wrong: do not step the optimizer).\n{reports}"

@@ -13,6 +13,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from remat_dist._torch._cuda import memory_snapshot
 from remat_dist.report._accounting import Annotate
 
 __all__ = ["allocation_site", "clear_memory_snapshot_cache", "memory_snapshot_annotate"]
@@ -61,7 +62,7 @@ def memory_snapshot_annotate(snapshot: Mapping[str, Any] | None = None) -> Annot
                 "memory_snapshot_annotate() needs CUDA (it reads the CUDA caching "
                 "allocator's snapshot); pass snapshot= to use a saved one"
             )
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = memory_snapshot()
     index: dict[int, tuple[list[int], list[tuple[int, int, str]]]] = {}
     for segment in snapshot.get("segments", ()):
         device = int(segment.get("device", 0))

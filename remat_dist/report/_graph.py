@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    is_traceable_wrapper_subclass,
-)
 
+from remat_dist._state import register_state
+from remat_dist._torch import _autograd
+from remat_dist._torch._checkpoint import CheckpointFrame, Holder
+from remat_dist._torch._pytree import tree_leaves
+from remat_dist._torch._tensor import TorchDispatchMode, is_traceable_wrapper_subclass
 from remat_dist.core import (
     CheckpointRecord,
     PackedKind,
@@ -51,14 +52,8 @@ __all__ = [
 
 StorageKey = tuple[Any, int]
 
-try:  # the packed stand-in of tensors torch's checkpoint will recompute
-    from torch.utils.checkpoint import _Holder as _TorchHolder
-except ImportError:  # pragma: no cover - older or newer torch
-    _TorchHolder = None  # type: ignore[assignment,misc]
-try:  # what torch's non-reentrant checkpoint keeps per call: recompute fn, inputs
-    from torch.utils.checkpoint import _CheckpointFrame as _TorchFrame
-except ImportError:  # pragma: no cover - older or newer torch
-    _TorchFrame = None  # type: ignore[assignment,misc]
+_TorchHolder: Any = Holder  # the stand-in of a tensor torch's checkpoint recomputes
+_TorchFrame: Any = CheckpointFrame  # what torch's checkpoint keeps per call
 
 
 def _plain_tensors(t: torch.Tensor, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -203,7 +198,7 @@ class TorchCheckpointFrame:
         gone from the cache and not counted."""
         out: list[torch.Tensor] = []
         for cache in _caches_in(getattr(self.frame, "recompute_fn", None)):
-            for leaf in torch.utils._pytree.tree_leaves(list(cache.values())):
+            for leaf in tree_leaves(list(cache.values())):
                 t = getattr(leaf, "val", None)  # torch's version-checking wrapper
                 if isinstance(t, torch.Tensor):
                     out.append(t)
@@ -265,7 +260,7 @@ def running_torch_checkpoint() -> TorchCheckpointFrame | None:
     closure); None otherwise, and for the frames ``remat_dist.checkpoint`` runs on.
     ``recompute_handles`` is the number of its forward's saves so far."""
     try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = _autograd.top_saved_tensors_hooks(False)
     except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - other torch
         return None
     if not top:
@@ -329,14 +324,21 @@ def root_nodes(roots: Iterable[Any]) -> list[Any]:
     return nodes
 
 
-_saved_attrs_cache: dict[type, tuple[str, ...]] = {}
+class _SavedAttrs(dict[type, tuple[str, ...]]):
+    """Per node class, the names of its saved-tensor attributes (a cache)."""
+
+    def reset(self) -> None:
+        self.clear()
+
+
+_saved_attrs_cache = register_state("report.saved_attrs", _SavedAttrs())
 
 
 def _saved_attrs(node: Any) -> tuple[str, ...]:
     cls = type(node)
     attrs = _saved_attrs_cache.get(cls)
     if attrs is None:
-        attrs = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        attrs = tuple(a for a in dir(node) if a.startswith(_autograd.RAW_SAVED_PREFIX))
         _saved_attrs_cache[cls] = attrs
     return attrs
 
@@ -348,7 +350,7 @@ def _saved_objects(node: Any) -> Iterator[tuple[str, Any, Any]]:
             value = getattr(node, attr)
         except RuntimeError:  # freed by a backward that already ran
             continue
-        name = attr[len("_raw_saved_") :]
+        name = attr[len(_autograd.RAW_SAVED_PREFIX) :]
         many = isinstance(value, (list, tuple))
         for i, saved in enumerate(value if many else (value,)):
             try:
@@ -359,11 +361,7 @@ def _saved_objects(node: Any) -> Iterator[tuple[str, Any, Any]]:
                 yield (f"{name}[{i}]" if many else name), saved, data
 
 
-def _sequence_nr(node: Any) -> int:
-    try:
-        return int(node._sequence_nr())
-    except (AttributeError, RuntimeError):
-        return 0
+_sequence_nr = _autograd.node_sequence_nr
 
 
 def scan_graph(roots: Iterable[Any]) -> GraphScan:

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
+from remat_dist._torch import _cuda
 from remat_dist.report._accounting import Annotate
 from remat_dist.report._format import format_bytes
 
@@ -173,5 +174,5 @@ def attach_oom_observer(
         return None
     observer = oom_observer(roots, annotate=annotate, file=file)
     torch.cuda.init()
-    torch._C._cuda_attach_out_of_memory_observer(observer)
+    _cuda.attach_oom_observer(observer)
     return observer

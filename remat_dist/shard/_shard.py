@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._tensor import is_view
 from remat_dist.shard._tp_plan import (
     SEQUENCE,
     TensorParallelPlan,
@@ -171,7 +172,7 @@ def _sequence_output_hook(tp_mesh: Any, seq_dim: int) -> Any:
         full = dt.redistribute(tp_mesh, (Replicate(),)).to_local()
         # to_local() returns a view; FSDP2 warns about (and an in-place op on it
         # would drop) the pre-backward hook it attaches to a block's output.
-        return full.clone() if full._is_view() else full
+        return full.clone() if is_view(full) else full
 
     def hook(module: nn.Module, args: Any, out: Any) -> Any:
         if isinstance(out, tuple):

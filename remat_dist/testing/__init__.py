@@ -27,6 +27,7 @@ later calls start clean. No fixed ports: the group rendezvous through a FileStor
 in a private temporary directory.
 """
 
+from remat_dist._state import reset_process_state
 from remat_dist.testing._context import DistContext, dist_context
 from remat_dist.testing._decorator import distributed
 from remat_dist.testing._errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "dist_context",
     "distributed",
     "pool_stats",
+    "reset_process_state",
     "run_distributed",
     "shutdown_pools",
 ]

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._torch._pytree import tree_leaves
+
 __all__ = [
     "EquivalenceReport",
     "Mismatch",
@@ -125,7 +127,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     over every tensor in the output, in float32."""
     out = model(*batch) if isinstance(batch, tuple) else model(batch)
     leaves = [
-        t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+        t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
     ]
     if not leaves:
         raise TypeError(

@@ -44,6 +44,8 @@ from torch import nn
 
 from remat_dist._errors import RematUsageError
 from remat_dist._logging import get_logger
+from remat_dist._torch import _dynamo
+from remat_dist._torch._module import is_compiled
 from remat_dist.core import CollectiveMode, RecomputeStateHook
 from remat_dist.distributed import mark_step
 from remat_dist.wrap._adapters import adapter_for
@@ -246,7 +248,7 @@ def _forget_compiled(model: nn.Module, caller: str) -> None:
     compiled = [
         n or "<model>"
         for n, m in model.named_modules()
-        if getattr(m, "_compiled_call_impl", None) is not None
+        if is_compiled(m)
     ]
     if compiled:
         log.info(
@@ -256,7 +258,7 @@ def _forget_compiled(model: nn.Module, caller: str) -> None:
             len(compiled),
             ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else ""),
         )
-        torch._dynamo.reset()
+        _dynamo.reset()
 
 
 def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:

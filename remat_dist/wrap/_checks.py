@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._checkpoint import checkpoint_wrapper_types
 from remat_dist.wrap._blocks import strictly_inside
 from remat_dist.wrap._patch import BLOCK_ATTR
 
@@ -75,14 +76,7 @@ def check_blocks(model: nn.Module, selected: Sequence[tuple[str, nn.Module]]) ->
 
 
 
-def _nested_checkpoint_types() -> tuple[type, ...]:
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointWrapper,
-        )
-    except Exception:  # pragma: no cover - private path moved
-        return ()
-    return (CheckpointWrapper,)
+_nested_checkpoint_types = checkpoint_wrapper_types
 
 
 def _fsdp_module_type() -> type | None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._torch._module import CALL_IMPL, call_impl_overridable, is_compiled
 from remat_dist.core import (
     CheckpointRecord,
     RecomputeStateHook,
@@ -95,7 +96,7 @@ class RegionSpec:
     name: str
     mode: str
     block: str
-    attr: str = "_call_impl"
+    attr: str = CALL_IMPL
     """The instance attribute replaced: ``_call_impl`` (the whole module call,
     hooks included) or ``forward`` (fallback: the module's hooks stay outside)."""
     previous: Any = field(default=None, repr=False)
@@ -149,26 +150,7 @@ def _call_region(spec: RegionSpec, module: nn.Module, *args: Any, **kwargs: Any)
     return getattr(type(module), spec.attr)(module, *args, **kwargs)
 
 
-_CALL_IMPL_OK: bool | None = None
-
-
-def _call_impl_overridable() -> bool:
-    """Whether ``nn.Module.__call__`` dispatches through an instance
-    ``_call_impl`` in this torch (it does in 2.x: ``_wrapped_call_impl``)."""
-    global _CALL_IMPL_OK
-    if _CALL_IMPL_OK is None:
-
-        class _Probe(nn.Module):
-            def forward(self) -> int:
-                return 0
-
-        probe = _Probe()
-        probe.__dict__["_call_impl"] = lambda *a, **k: 1
-        try:
-            _CALL_IMPL_OK = probe() == 1
-        except Exception:  # pragma: no cover - torch internals changed
-            _CALL_IMPL_OK = False
-    return _CALL_IMPL_OK
+_call_impl_overridable = call_impl_overridable
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -227,8 +209,8 @@ def install_region(sub: nn.Module, path: str, mode: str, *, block: str) -> None:
     """Make every call of ``sub`` (at ``path`` in block ``block``) a region run
     in ``mode`` (``"save"`` or ``"recompute"``)."""
     attr = "forward"
-    if _call_impl_overridable() and sub._compiled_call_impl is None:
-        attr = "_call_impl"
+    if _call_impl_overridable() and not is_compiled(sub):
+        attr = CALL_IMPL
     rspec = RegionSpec(
         name=path, mode=mode, block=block, attr=attr, previous=sub.__dict__.get(attr)
     )
@@ -246,7 +228,7 @@ def _restore_forward(module: nn.Module, previous: Any) -> None:
         module.forward = previous
 
 
-_PATCHED = (BLOCK_ATTR, REGION_ATTR, "_call_impl", "forward")
+_PATCHED = (BLOCK_ATTR, REGION_ATTR, CALL_IMPL, "forward")
 """The instance attributes the install functions may set."""
 
 

@@ -769,7 +769,7 @@ def test_determinism_check_default_catches_a_replay_with_other_shapes():
     with _raises(
         remat.RematUsageError,
         "checkpoint(region_name='c'): determinism_check must be one of "
-        "('none', 'default'), got 'strict'",
+        "('none', 'default', 'values'), got 'strict'",
     ):
         remat.checkpoint(region_name="c", determinism_check="strict")
 

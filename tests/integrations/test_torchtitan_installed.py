@@ -86,7 +86,7 @@ def test_override_imports_entry_replaces_the_config_node():
     lines = apply_overrides(
         OverrideConfig(imports=[(target, {"collectives": "save"})]), root
     )
-    assert len(lines) == 1 and "SelectiveAC.Config -> RematAC.Config" in lines[0]
+    assert len(lines) == 1 and "SelectiveAC.Config -> RematDistAC.Config" in lines[0]
     replaced = root.activation_checkpoint
     assert (replaced.mode, replaced.selective_ac_option, replaced.collectives) == (
         "selective", "op", "save"

@@ -9,10 +9,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._module import DropoutBase
 from remat_dist.core import RecomputeStateHook
 from remat_dist.integrations.torchtitan._config import (
     _UNSET,
@@ -150,7 +150,7 @@ def apply_ac(
             f"{n}.{sub_name}" if sub_name else n
             for n in names
             for sub_name, sub in model.get_submodule(n).named_modules()
-            if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0
+            if isinstance(sub, DropoutBase) and sub.p > 0
         ]
         if not settings.preserve_rng_state and dropout:
             warnings.warn(

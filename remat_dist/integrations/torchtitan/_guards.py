@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_dist._torch._module import buffers_of
 from remat_dist.core import is_recomputing
 from remat_dist.integrations.torchtitan._config import COUNTER_BUFFERS, GUARD_ATTR
 
@@ -16,7 +17,7 @@ __all__ = ["guard_counters", "guarded_counters"]
 def guard_counters(block: nn.Module) -> int:
     count = 0
     for module in block.modules():
-        buffer = next((b for b in COUNTER_BUFFERS if b in module._buffers), None)
+        buffer = next((b for b in COUNTER_BUFFERS if b in buffers_of(module)), None)
         if buffer is None or GUARD_ATTR in module.__dict__:
             continue
         _install_guard(module, buffer)
@@ -31,13 +32,13 @@ def _install_guard(module: nn.Module, buffer: str) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not is_recomputing():
             return inner(*args, **kwargs)
-        real = module._buffers[buffer]
+        real = buffers_of(module)[buffer]
         # The replay counts into a scratch tensor; the forward already counted.
-        module._buffers[buffer] = torch.zeros_like(real)
+        buffers_of(module)[buffer] = torch.zeros_like(real)
         try:
             return inner(*args, **kwargs)
         finally:
-            module._buffers[buffer] = real
+            buffers_of(module)[buffer] = real
 
     module.forward = forward
     module.__dict__[GUARD_ATTR] = (buffer, previous)

@@ -32,7 +32,7 @@ def _remat_ac_config_class() -> Any:
 
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 
-    class RematAC(ActivationCheckpointing):
+    class RematDistAC(ActivationCheckpointing):
         """remat_dist's checkpointing in torchtitan's policy slot."""
 
         @config_dataclass(kw_only=True, slots=True)
@@ -48,9 +48,9 @@ def _remat_ac_config_class() -> Any:
             apply_ac(model, self.config)
 
     # torchtitan's override log names the classes by qualified name
-    RematAC.__qualname__ = "RematAC"
-    RematAC.Config.__qualname__ = "RematAC.Config"
-    _override_class = RematAC.Config
+    RematDistAC.__qualname__ = "RematDistAC"
+    RematDistAC.Config.__qualname__ = "RematDistAC.Config"
+    _override_class = RematDistAC.Config
     return _override_class
 
 

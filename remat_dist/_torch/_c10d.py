@@ -1,0 +1,37 @@
+"""c10d's private pieces: a work completed from a future (a served collective),
+and the default process group's store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["default_store", "functional_wait", "work_from_future"]
+
+
+def work_from_future(future: Any) -> Any:
+    """A c10d ``Work`` that is done when ``future`` is (its result the future's)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    return _create_work_from_future(future)
+
+
+def functional_wait() -> tuple[Callable[[], int] | None, Any]:
+    """``(inflight, wait_tensor)``: how many outputs of functional collectives
+    nobody has waited for yet (None where torch does not tell), and the op that
+    waits for one; ``(None, None)`` without ``torch.distributed``."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return None, None
+    from torch._C import _distributed_c10d
+
+    size = getattr(_distributed_c10d, "_get_work_registry_size", None)
+    return size, torch.ops._c10d_functional.wait_tensor
+
+
+def default_store() -> Any:
+    """The store of the default process group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()

@@ -1,0 +1,47 @@
+"""Dynamo's private pieces: its process-wide reset, constant folding at trace time,
+its recompile limit, and functorch's config (the benchmarks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "assume_constant_result",
+    "cache_size_limit",
+    "functorch_config_patch",
+    "reset",
+    "set_cache_size_limit",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reset() -> None:
+    """Drop every compiled graph of the process (the next call recompiles)."""
+    torch._dynamo.reset()
+
+
+def assume_constant_result(fn: F) -> F:
+    """Decorator: Dynamo calls ``fn`` at trace time and folds its result into the
+    graph as a constant (no guard)."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
+def cache_size_limit() -> int:
+    """How many graphs Dynamo keeps per code object before it stops recompiling."""
+    return torch._dynamo.config.cache_size_limit
+
+
+def set_cache_size_limit(limit: int) -> None:
+    torch._dynamo.config.cache_size_limit = limit
+
+
+def functorch_config_patch(**changes: Any) -> Any:
+    """A context manager that sets functorch config values (e.g.
+    ``activation_memory_budget``) for its block."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(**changes)
