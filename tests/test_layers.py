@@ -119,7 +119,7 @@ def test_importing_core_modules_installs_nothing():
         "import sys, importlib\n"
         "import remat_dist.core._record as r\n"
         "assert 'remat_dist.distributed' in sys.modules  # the root imported it\n"
-        "names = [o.__class__.__module__ for o in r._observers]\n"
+        "names = [o.__class__.__module__ for o in r._SEAMS.observers]\n"
         "assert all(not n.startswith('remat_dist.core') for n in names), names\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

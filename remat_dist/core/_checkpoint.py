@@ -354,7 +354,7 @@ class _Phase:
                 _restore(record, record.entry_state, "checkpoint entry, replay")
             else:
                 record.entry_state = _snapshot(record, "checkpoint entry")
-            if _record._observers:
+            if _record._SEAMS.observers:
                 _record.notify("on_checkpoint_start", record, self.replay)
         except BaseException:
             if self.replay:
@@ -401,7 +401,7 @@ class _Phase:
                 record._producers.clear()
                 record._names.clear()
             record._stack.clear()
-            if _record._observers:
+            if _record._SEAMS.observers:
                 _record.notify("on_checkpoint_end", record, self.replay, exc)
         finally:
             inputs_of_var.reset(inputs_token)

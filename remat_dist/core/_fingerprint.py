@@ -272,7 +272,7 @@ def replay_done(record: CheckpointRecord) -> BaseException | None:
         "shape and dtype match, so nothing failed, but the gradients of this "
         f"backward are wrong: do not step the optimizer.\n{VALUE_CAUSES}"
     )
-    for obs in tuple(_record._observers):
+    for obs in tuple(_record._SEAMS.observers):
         method = getattr(obs, "on_replay_values", None)
         if method is not None and method(record, text):
             return None

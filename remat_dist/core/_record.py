@@ -38,6 +38,7 @@ __all__ = [
     "set_default_state_hooks_provider",
 ]
 
+
 @dataclass
 class SavedEntry:
     """One tensor a save region keeps for backward (metadata only, for reports)."""
@@ -276,7 +277,18 @@ class CheckpointObserver(Protocol):
         ...
 
 
-_observers: list[Any] = []
+@dataclass
+class _Seams:
+    """What the layers above attached to the core at their import: the observers
+    (``register_observer``) and the default state hooks' provider. Registrations,
+    not state: they last as long as the process (a handle's ``remove()`` undoes
+    one observer)."""
+
+    observers: list[Any] = field(default_factory=list)
+    hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
+
+
+_SEAMS = _Seams()
 
 
 class _ObserverHandle:
@@ -284,21 +296,21 @@ class _ObserverHandle:
         self._observer = observer
 
     def remove(self) -> None:
-        if self._observer in _observers:
-            _observers.remove(self._observer)
+        if self._observer in _SEAMS.observers:
+            _SEAMS.observers.remove(self._observer)
 
 
 def register_observer(observer: CheckpointObserver) -> _ObserverHandle:
     """Attach ``observer`` (a :class:`CheckpointObserver`) to every checkpoint in
     this process; returns a handle whose ``remove()`` detaches it."""
-    _observers.append(observer)
+    _SEAMS.observers.append(observer)
     return _ObserverHandle(observer)
 
 
 def absorbs(record: CheckpointRecord, error: BaseException) -> bool:
     """Whether an observer absorbs ``error`` raised in ``record``'s replay."""
     absorbed = False
-    for obs in tuple(_observers):
+    for obs in tuple(_SEAMS.observers):
         method = getattr(obs, "on_replay_error", None)
         if method is not None and method(record, error):
             absorbed = True
@@ -306,13 +318,10 @@ def absorbs(record: CheckpointRecord, error: BaseException) -> bool:
 
 
 def notify(event: str, *args: Any) -> None:
-    for obs in tuple(_observers):
+    for obs in tuple(_SEAMS.observers):
         method = getattr(obs, event, None)
         if method is not None:
             method(*args)
-
-
-_default_hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
 
 
 def set_default_state_hooks_provider(
@@ -323,9 +332,9 @@ def set_default_state_hooks_provider(
     The distributed layer installs one that returns the per-rank RNG hooks when a
     process group exists; the core alone uses none (torch_remat's behaviour).
     """
-    global _default_hooks_provider
-    _default_hooks_provider = provider
+    _SEAMS.hooks_provider = provider
 
 
 def default_state_hooks_for_checkpoint() -> tuple[RecomputeStateHook, ...]:
-    return () if _default_hooks_provider is None else _default_hooks_provider()
+    provider = _SEAMS.hooks_provider
+    return () if provider is None else provider()

@@ -61,7 +61,7 @@ class _RegionCall:
                 return _compile.fallback_region_call(
                     self.fn, self.name, self.recompute, args, kwargs
                 )
-            if _record._observers:
+            if _record._SEAMS.observers:
                 return _region_plain(self, args, kwargs)
             return self.fn(*args, **kwargs)
         if record.replaying:
@@ -164,7 +164,7 @@ def _region_forward(
     record._names.add(qual)
     if call.recompute and record._producers:
         _persist_consumed(record, (args, kwargs))
-    if _record._observers:
+    if _record._SEAMS.observers:
         _record.notify("on_region_start", record, rr, False)
     record._stack.append(rr)
     try:
@@ -187,7 +187,7 @@ def _region_forward(
         _record_outputs(record, rr, items, structure)
         rr.state_after = _snapshot(record, f"after save region {rr.name!r}")
     rr.descendants = len(record.regions) - rr.index - 1
-    if _record._observers:
+    if _record._SEAMS.observers:
         _record.notify("on_region_end", record, rr, False)
     return out
 
@@ -294,7 +294,7 @@ def _region_replay(
         )
     record._cursor += 1
     rr = expected
-    if _record._observers:
+    if _record._SEAMS.observers:
         _record.notify("on_region_start", record, rr, True)
     if rr.is_save:
         record._cursor += rr.descendants
@@ -309,7 +309,7 @@ def _region_replay(
             out = call.fn(*args, **kwargs)
         finally:
             record._stack.pop()
-    if _record._observers:
+    if _record._SEAMS.observers:
         _record.notify("on_region_end", record, rr, True)
     return out
 

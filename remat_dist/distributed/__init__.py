@@ -27,7 +27,6 @@ from remat_dist._state import register_state
 from remat_dist._torch import _fsdp
 from remat_dist.distributed import (
     _options,  # noqa: F401  (declares collectives=)
-    _step,
     _values,  # noqa: F401  (the value check's observer)
 )
 from remat_dist.distributed._check import (
@@ -62,16 +61,6 @@ from remat_dist.distributed._step import (
 install_default_provider()
 
 
-class _StepProcessState:
-    """The step's agreement state, step hooks and replay timeout (``_step``), reset
-    as one concern (``remat_dist.testing.reset_process_state``)."""
-
-    def reset(self) -> None:
-        _step.reset_step_state(_step._namespace)
-        _step.set_replay_timeout(_step.REPLAY_TIMEOUT_S)
-
-
-register_state("distributed.step", _StepProcessState())
 register_state("distributed.fsdp_tracking", _fsdp.STATE)
 
 __all__ = [

@@ -44,7 +44,7 @@ from remat_dist.distributed._wire import (
     unpack_parts,
 )
 
-__all__ = ["ChannelFailure", "SideChannel"]
+__all__ = ["ChannelFailure", "SideChannel", "all_equal", "check_tag", "tagged_words"]
 
 log = get_logger(__name__)
 
@@ -207,7 +207,9 @@ class SideChannel:
                 raise self._setup_failure(timeout)
             try:
                 self.store_requests += 1
-                self.store.wait([key], timedelta(seconds=max(0.01, min(deadline - now, SLOW_S))))
+                self.store.wait(
+                    [key], timedelta(seconds=max(0.01, min(deadline - now, SLOW_S)))
+                )
                 break
             except Exception:
                 self._raise_if_aborted(0)
@@ -249,7 +251,11 @@ class SideChannel:
         return unpack_parts(self._round(_GATHER, mine, combine, timeout))
 
     def _round(
-        self, kind: int, value: bytes, combine: Callable[[bytes, bytes], bytes], timeout: float
+        self,
+        kind: int,
+        value: bytes,
+        combine: Callable[[bytes, bytes], bytes],
+        timeout: float,
     ) -> bytes:
         if self.broken:
             raise ChannelFailure("closed", "this side channel failed earlier")
@@ -320,7 +326,9 @@ class SideChannel:
         self.store_requests += 1
         return getattr(self.store, op)(*args)
 
-    def _read_abort(self, grace: float = 0.0) -> tuple[int, int, list[int] | None] | None:
+    def _read_abort(
+        self, grace: float = 0.0
+    ) -> tuple[int, int, list[int] | None] | None:
         key = f"{self.key}/abort"
         end = time.monotonic() + grace
         while True:
@@ -350,7 +358,11 @@ class SideChannel:
         out = []
         try:
             for i, r in enumerate(self.ranks):
-                key = f"{self.key}/{kind}/{i}" if seq is None else f"{self.key}/{kind}/{seq}/{i}"
+                key = (
+                    f"{self.key}/{kind}/{i}"
+                    if seq is None
+                    else f"{self.key}/{kind}/{seq}/{i}"
+                )
                 if i != self.index and not self._store("check", [key]):
                     out.append(r)
         except Exception:
@@ -360,7 +372,9 @@ class SideChannel:
     def give_up(self, seq: int, timeout: float) -> ChannelFailure:
         """The round's deadline passed: post the abort (or read the one posted
         first)."""
-        return self._post_abort(seq, self._absent("arr", seq), timeout, f"round {seq} did not complete")
+        return self._post_abort(
+            seq, self._absent("arr", seq), timeout, f"round {seq} did not complete"
+        )
 
     def _post_abort(
         self, seq: int, missing: list[int] | None, timeout: float, what: str
@@ -375,7 +389,9 @@ class SideChannel:
             return _aborted((int(a_seq), int(by), json.loads(gone)), seq)
         if what == "was not set up":
             what = f"the side channel of ranks {list(self.ranks)} was not set up"
-        return ChannelFailure("timeout", f"{what} within {timeout:g} s", missing=missing)
+        return ChannelFailure(
+            "timeout", f"{what} within {timeout:g} s", missing=missing
+        )
 
     # -- teardown
     def _close_links(self) -> None:
@@ -447,3 +463,27 @@ def _aborted(abort: tuple[int, int, list[int] | None], seq: int) -> ChannelFailu
         by=by,
         stale=a_seq < seq,
     )
+
+
+# ---------------------------------------------------- equality by one max-reduce
+
+
+def tagged_words(tag: int, words: list[int]) -> list[int]:
+    """``words`` and their negations behind a round tag: after a max-reduce, the
+    ranks sent equal words exactly when each word equals minus its negation's max
+    (:func:`all_equal`), and the tag says which kind of round every rank ran."""
+    return [tag, -tag, *words, *(-w for w in words)]
+
+
+def check_tag(got: list[int], tag: int, stake: tuple[int, ...]) -> None:
+    if got[0] != tag or -got[1] != tag:
+        raise ChannelFailure(
+            "out of step",
+            f"the ranks of {list(stake)} ran different rounds (agreement vs report): "
+            "they ran another number of steps, or a step raised on some ranks only",
+        )
+
+
+def all_equal(got: list[int], words: list[int]) -> bool:
+    n = len(words)
+    return all(got[i] == -got[n + i] for i in range(n))

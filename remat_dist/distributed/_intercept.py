@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from remat_dist._state import register_state
 from remat_dist._torch import _autograd, _c10d, _fsdp
 from remat_dist._torch import _dispatch as _dk
 from remat_dist.distributed._optable import (
@@ -119,21 +121,33 @@ class CollectiveCall:
     def _issue(self) -> Any:
         return _issue_bare(
             _dk.redispatch_of(self._spec.overload),
-            self._keyset & _AFTER,
+            self._keyset & _INSTALLED.after,
             self.args,
         )
 
 
 # --------------------------------------------------------------- installation
 
-_install_lock = threading.Lock()
-_installed = False
-_KEY: Any = None  # torch._C.DispatchKey
-_KEY_NAME = ""
-_TLS_TOGGLED = True  # False: always reached (BackendSelect), check the stack
-_AFTER: Any = None  # keyset of the keys below ours
-_LIBS: list[Any] = []
-_SPECS: dict[str, _OpSpec] = {}
+
+@dataclass
+class _Installation:
+    """The kernels at the interception key: made once per process, on first use,
+    and kept for its life (torch's dispatcher holds them; nothing resets this)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    key: Any = None
+    """The dispatch key (``Fake`` where nothing else uses it)."""
+    key_name: str = ""
+    tls_toggled: bool = True
+    """False: the key is always reached (``BackendSelect``); the stack decides."""
+    after: Any = None
+    """The keyset of the keys below ours (what a kernel redispatches to)."""
+    libs: list[Any] = field(default_factory=list)
+    specs: dict[str, _OpSpec] = field(default_factory=dict)
+
+
+_INSTALLED = _Installation()
 
 
 def _choose_key() -> tuple[str, bool]:
@@ -143,9 +157,9 @@ def _choose_key() -> tuple[str, bool]:
 
 
 def _install() -> None:
-    global _installed, _KEY, _KEY_NAME, _TLS_TOGGLED, _AFTER
-    with _install_lock:
-        if _installed:
+    inst = _INSTALLED
+    with inst.lock:
+        if inst.done:
             return
         import torch.distributed  # noqa: F401  (registers the c10d ops)
         from torch.library import Library, fallthrough_kernel
@@ -174,17 +188,17 @@ def _install() -> None:
             specs[op_name] = spec
             lib.impl(op_name, _make_kernel(spec), name, with_keyset=True)
         libs.append(lib)
-        _KEY, _KEY_NAME, _TLS_TOGGLED = key, name, toggled
-        _AFTER = _dk.keyset_full_after(key)
+        inst.key, inst.key_name, inst.tls_toggled = key, name, toggled
+        inst.after = _dk.keyset_full_after(key)
         _fsdp.track_fsdp_collectives()
-        _SPECS.update(specs)
-        _LIBS.extend(libs)
-        _installed = True
+        inst.specs.update(specs)
+        inst.libs.extend(libs)
+        inst.done = True
 
 
 def interception_key() -> str:
     """The dispatch key the collective kernels are registered at ("" before use)."""
-    return _KEY_NAME
+    return _INSTALLED.key_name
 
 
 # ------------------------------------------------------------- per-thread state
@@ -198,8 +212,20 @@ class _TLS(threading.local):
 
 _tls = _TLS()
 _graph_task_id = _autograd.current_graph_task_id
-_backward_hook: Callable[[], float | None] | None = None
-_forward_note: Callable[[tuple[int, ...]], None] | None = None
+
+
+@dataclass
+class StepHooks:
+    """The process-wide step hooks (:func:`set_step_hooks`)."""
+
+    backward: Callable[[], float | None] | None = None
+    forward_note: Callable[[tuple[int, ...]], None] | None = None
+
+    def reset(self) -> None:
+        set_step_hooks(None, None)
+
+
+_HOOKS = register_state("distributed.step_hooks", StepHooks())
 
 
 def _with_timeout(
@@ -230,25 +256,26 @@ def set_step_hooks(
     out again. Hooks must be cheap when they have nothing to do: they are
     process-wide because the engine may run backward on its device threads.
     """
-    global _backward_hook, _forward_note
-    _backward_hook = backward
-    _forward_note = forward_note
+    hooks, inst = _HOOKS, _INSTALLED
+    hooks.backward = backward
+    hooks.forward_note = forward_note
     if backward is not None or forward_note is not None:
-        if not _installed:
+        if not inst.done:
             _install()
-        if _TLS_TOGGLED and not _dk.tls_key_included(_KEY):
-            _dk.tls_set_key_included(_KEY, True)
+        if inst.tls_toggled and not _dk.tls_key_included(inst.key):
+            _dk.tls_set_key_included(inst.key, True)
     elif (
-        _installed
-        and _TLS_TOGGLED
+        inst.done
+        and inst.tls_toggled
         and not _tls.stack
         and _graph_task_id() == -1  # the engine puts back the state it was called in
-        and _dk.tls_key_included(_KEY)
+        and _dk.tls_key_included(inst.key)
     ):
-        _dk.tls_set_key_included(_KEY, False)
+        _dk.tls_set_key_included(inst.key, False)
 
 
 # ------------------------------------------------------------- FSDP2's own
+
 
 def issued_by_fsdp() -> bool:
     """Whether the collective being issued is FSDP2's own: FSDP2's ``unshard`` or
@@ -276,22 +303,24 @@ def _bypass() -> Iterator[None]:
 
 def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
     redispatch = _dk.redispatch_of(spec.overload)
+    hooks, inst = _HOOKS, _INSTALLED
 
     def kernel(keyset: Any, *args: Any) -> Any:
         tls = _tls
+        below = keyset & inst.after
         if tls.bypass:
-            return _issue_bare(redispatch, keyset & _AFTER, args)
-        if _backward_hook is not None or _forward_note is not None:
+            return _issue_bare(redispatch, below, args)
+        backward, forward_note = hooks.backward, hooks.forward_note
+        if backward is not None or forward_note is not None:
             if _graph_task_id() != -1:
-                hook = _backward_hook
-                bound = hook() if hook is not None else None
+                bound = backward() if backward is not None else None
                 if bound is not None and spec.timeout_idx is not None:
                     args = _with_timeout(spec, args, bound)
-            elif _forward_note is not None and not tls.stack:
-                _note(_forward_note, spec, args)
+            elif forward_note is not None and not tls.stack:
+                _note(forward_note, spec, args)
         stack = tls.stack
         if not stack:
-            return _issue_bare(redispatch, keyset & _AFTER, args)
+            return _issue_bare(redispatch, below, args)
         call = CollectiveCall(spec, args, keyset)
         return _dispatch(stack, len(stack) - 1, call)
 
@@ -381,12 +410,13 @@ class ObserverExtent:
         self._added = False
         if not dist_ready():
             return
-        if not _installed:
+        inst = _INSTALLED
+        if not inst.done:
             _install()
         stack = self._stack = _tls.stack
         stack.append(observer)
-        if _TLS_TOGGLED and not _dk.tls_key_included(_KEY):
-            _dk.tls_set_key_included(_KEY, True)
+        if inst.tls_toggled and not _dk.tls_key_included(inst.key):
+            _dk.tls_set_key_included(inst.key, True)
             self._added = True
 
     def pop(self) -> None:
@@ -395,7 +425,7 @@ class ObserverExtent:
         if stack is None:
             return
         if self._added:
-            _dk.tls_set_key_included(_KEY, False)
+            _dk.tls_set_key_included(_INSTALLED.key, False)
         observer = self.observer
         if stack and stack[-1] is observer:
             stack.pop()

@@ -44,8 +44,15 @@ import torch
 
 from remat_dist._errors import CollectiveReplayError, PlanMismatchError
 from remat_dist._logging import get_logger
+from remat_dist._state import register_state
 from remat_dist._torch import _autograd, _c10d
-from remat_dist.distributed._channel import ChannelFailure, SideChannel
+from remat_dist.distributed._channel import (
+    ChannelFailure,
+    SideChannel,
+    all_equal,
+    check_tag,
+    tagged_words,
+)
 from remat_dist.distributed._intercept import set_step_hooks
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
@@ -65,7 +72,6 @@ log = get_logger(__name__)
 REPLAY_TIMEOUT_S = 20.0
 """Default bound (seconds) for an agreement, a report, and each replayed collective."""
 
-_timeout = REPLAY_TIMEOUT_S
 _queue_callback = _autograd.queue_callback
 _graph_task_id = _autograd.current_graph_task_id
 
@@ -78,12 +84,11 @@ def set_replay_timeout(seconds: float) -> None:
     """Bound (seconds) for the ranks at stake to reach an agreement or report, and
     for each collective of a backward that replays; past it, each rank raises
     instead of waiting. Call it on every rank before training."""
-    global _timeout
-    _timeout = float(seconds)
+    _PROCESS.timeout = float(seconds)
 
 
 def replay_timeout() -> float:
-    return _timeout
+    return _PROCESS.timeout
 
 
 @dataclass
@@ -173,10 +178,14 @@ class StepState:
                 state.noted = True
                 self._hooks()
 
-    def add_checkpoint(self, entry: list[Any], by_stake: dict[Stake, dict[str, str]]) -> None:
+    def add_checkpoint(
+        self, entry: list[Any], by_stake: dict[Stake, dict[str, str]]
+    ) -> None:
         """A checkpoint's forward ended: ``entry`` is its plan, ``by_stake`` its
         ledger's fingerprint per process group, grouped by the groups' ranks."""
-        self.full.add(entry, {k: v for fps in by_stake.values() for k, v in fps.items()})
+        self.full.add(
+            entry, {k: v for fps in by_stake.values() for k, v in fps.items()}
+        )
         for stake, fps in by_stake.items():
             if len(stake) > 1 and self.rank in stake:
                 self._stake(stake).pending.add(entry, fps)
@@ -198,7 +207,7 @@ class StepState:
         if task is None or task.id != _graph_task_id():
             with self._lock:
                 task = self._begin()
-        return _timeout if task.report else None
+        return _PROCESS.timeout if task.report else None
 
     def replay_starts(self, stakes: tuple[Stake, ...]) -> None:
         """A replay of a checkpoint at stake on ``stakes`` starts (agree first if
@@ -254,7 +263,7 @@ class StepState:
         digest = hashlib.sha1(",".join(map(str, state.ranks)).encode()).hexdigest()[:12]
         key = f"remat_dist/ch/{self.namespace}/{digest}/{index}"
         state.channel = None
-        ch = SideChannel(state.ranks, self.rank, self.store, key, _timeout)
+        ch = SideChannel(state.ranks, self.rank, self.store, key, _PROCESS.timeout)
         state.channel = ch
         self.stats.channels += 1
         return ch
@@ -292,20 +301,25 @@ class StepState:
         what = f"the plan agreement of ranks {list(stake)}"
         try:
             got = self._round(
-                state, lambda ch: ch.reduce_max(_tagged(_AGREE, words), _timeout)
+                state,
+                lambda ch: ch.reduce_max(tagged_words(_AGREE, words), _PROCESS.timeout),
             )
-            _check_tag(got, _AGREE, stake)
-            if _all_equal(got[2:], words):
+            check_tag(got, _AGREE, stake)
+            if all_equal(got[2:], words):
                 log.info(
                     "%s: %d checkpoint(s) agreed in %.2f ms (%d side-channel "
                     "messages by this rank so far)",
-                    what, plan.count, state.channel.last_round_s * 1e3 if state.channel else 0.0,
+                    what,
+                    plan.count,
+                    state.channel.last_round_s * 1e3 if state.channel else 0.0,
                     self.stats.messages,
                 )
                 return
-            got_all = self._round(state, lambda ch: ch.gather(plan.payload(), _timeout))
+            got_all = self._round(
+                state, lambda ch: ch.gather(plan.payload(), _PROCESS.timeout)
+            )
         except ChannelFailure as f:
-            text = failure_text(self.rank, stake, f, what, _timeout)
+            text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
             log.error("%s", text)
             raise PlanMismatchError(text) from None
         text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
@@ -335,15 +349,20 @@ class StepState:
             what = f"the end-of-backward report of ranks {list(stake)}"
             try:
                 got = self._round(
-                    state, lambda ch, f=flag: ch.reduce_max(_tagged(_REPORT, [f]), _timeout)
+                    state,
+                    lambda ch, f=flag: ch.reduce_max(
+                        tagged_words(_REPORT, [f]), _PROCESS.timeout
+                    ),
                 )
-                _check_tag(got, _REPORT, stake)
+                check_tag(got, _REPORT, stake)
                 if got[2] == 0:
                     continue
                 msg = (failure or "").encode()
-                msgs = self._round(state, lambda ch, m=msg: ch.gather(m, _timeout))
+                msgs = self._round(
+                    state, lambda ch, m=msg: ch.gather(m, _PROCESS.timeout)
+                )
             except ChannelFailure as f:
-                text = failure_text(self.rank, stake, f, what, _timeout)
+                text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
                 log.error("%s", text)
                 errors.append(CollectiveReplayError(text))
                 continue
@@ -373,7 +392,9 @@ class StepState:
             owed = task
         owed.ended = True
         try:
-            self._report(owed, f"rank {self.rank}: backward raised before the end of the step")
+            self._report(
+                owed, f"rank {self.rank}: backward raised before the end of the step"
+            )
         except (CollectiveReplayError, PlanMismatchError):
             pass
 
@@ -382,7 +403,9 @@ class StepState:
         active = (
             self.noting
             or any(s.needs_agreement() for s in self.stakes.values())
-            or (self.task is not None and bool(self.task.report) and not self.task.ended)
+            or (
+                self.task is not None and bool(self.task.report) and not self.task.ended
+            )
         )
         if active:
             set_step_hooks(self.in_backward, self.note if self.noting else None)
@@ -397,36 +420,34 @@ class StepState:
                 state.channel = None
 
 
-def _tagged(tag: int, words: list[int]) -> list[int]:
-    return [tag, -tag, *words, *(-w for w in words)]
+@dataclass
+class _StepProcess:
+    """This process's agreement state, the store key space its rounds use, and the
+    bound on them (what ``reset_process_state`` puts back)."""
+
+    state: StepState | None = None
+    namespace: str = "0"
+    timeout: float = REPLAY_TIMEOUT_S
+
+    def close(self) -> None:
+        """Close the side channels and drop the dispatch hooks."""
+        if self.state is not None:
+            self.state.close()
+        self.state = None
+        set_step_hooks(None, None)
+
+    def reset(self) -> None:
+        self.close()
+        self.timeout = REPLAY_TIMEOUT_S
 
 
-def _check_tag(got: list[int], tag: int, stake: Stake) -> None:
-    if got[0] != tag or -got[1] != tag:
-        raise ChannelFailure(
-            "out of step",
-            f"the ranks of {list(stake)} ran different rounds (agreement vs report): "
-            "they ran another number of steps, or a step raised on some ranks only",
-        )
-
-
-def _all_equal(got: list[int], words: list[int]) -> bool:
-    n = len(words)
-    return all(got[i] == -got[n + i] for i in range(n))
-
-
-_state: StepState | None = None
-_namespace = "0"
+_PROCESS = register_state("distributed.step", _StepProcess())
 
 
 @atexit.register
 def _release_at_exit() -> None:
     # Close the links and drop the dispatch hooks while the interpreter is whole.
-    global _state
-    if _state is not None:
-        _state.close()
-    _state = None
-    set_step_hooks(None, None)
+    _PROCESS.close()
 
 
 def reset_step_state(namespace: str) -> None:
@@ -434,12 +455,8 @@ def reset_step_state(namespace: str) -> None:
     rounds use the store key space ``namespace``, which must be the same on every
     rank. For long-lived processes that run unrelated jobs in turn (a test
     harness), or to start clean after an error left the ranks out of step."""
-    global _state, _namespace
-    if _state is not None:
-        _state.close()
-    _state = None
-    set_step_hooks(None, None)
-    _namespace = namespace
+    _PROCESS.close()
+    _PROCESS.namespace = namespace
 
 
 def current_step() -> StepState:
@@ -447,22 +464,21 @@ def current_step() -> StepState:
     destroyed and created again)."""
     import torch.distributed as dist
 
-    global _state
     world = dist.group.WORLD
-    state = _state
+    state = _PROCESS.state
     if state is None or state.world is not world:
         if state is not None:
             state.close()
-        state = _state = StepState(world, _namespace)
+        state = _PROCESS.state = StepState(world, _PROCESS.namespace)
     return state
 
 
 def step_stats() -> StepStats:
     """What the agreements and reports cost this process so far: rounds, side-channel
     messages sent, store requests (channel set-up and slow rounds only)."""
-    if _state is None:
+    state = _PROCESS.state
+    if state is None:
         return StepStats()
-    state = _state
     for s in state.stakes.values():
         if s.channel is not None:
             state._count(s.channel)
@@ -478,4 +494,3 @@ def mark_step() -> None:
     no-op without a process group."""
     if dist_ready() and torch.is_grad_enabled():
         current_step().arm()
-

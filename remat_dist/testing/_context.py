@@ -11,7 +11,14 @@ if TYPE_CHECKING:
 
 __all__ = ["DistContext", "dist_context"]
 
-_current: DistContext | None = None
+
+class _Running:
+    """The context of the body this process runs now (one at a time per rank)."""
+
+    ctx: DistContext | None = None
+
+
+_RUNNING = _Running()
 
 
 @dataclass(frozen=True)
@@ -67,14 +74,14 @@ def dist_context() -> DistContext:
     Use it from a function given to :func:`run_distributed`, or from helpers called
     by a ``@distributed`` test body. Raises ``RuntimeError`` outside a harness rank.
     """
-    if _current is None:
+    current = _RUNNING.ctx
+    if current is None:
         raise RuntimeError(
             "dist_context() is only available inside a function run by "
             "remat_dist.testing.run_distributed or a @distributed test body"
         )
-    return _current
+    return current
 
 
 def _set_current(ctx: DistContext | None) -> None:
-    global _current
-    _current = ctx
+    _RUNNING.ctx = ctx

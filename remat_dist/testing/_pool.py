@@ -384,10 +384,22 @@ class _Pool:
 
 # -- registry ---------------------------------------------------------------
 
-_pools: dict[int, _Pool] = {}
-_stats: dict[int, PoolStats] = {}
-_lock = threading.RLock()
-_shutting_down = False
+
+@dataclass
+class _Pools:
+    """The rank pools of this process, by world size (they outlive tests by
+    design: starting ranks is what a pool saves)."""
+
+    pools: dict[int, _Pool] = field(default_factory=dict)
+    stats: dict[int, PoolStats] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    shutting_down: bool = False
+
+
+_POOLS = _Pools()
+_pools = _POOLS.pools
+_stats = _POOLS.stats
+_lock = _POOLS.lock
 
 
 def _new_pool(world_size: int) -> _Pool:
@@ -426,8 +438,7 @@ def pool_stats() -> dict[int, PoolStats]:
 
 @atexit.register
 def _at_exit() -> None:
-    global _shutting_down
-    _shutting_down = True
+    _POOLS.shutting_down = True
     shutdown_pools()
 
 
@@ -440,7 +451,7 @@ def run_on_pool(world_size: int, task: Task, timeout: float) -> list[Any]:
     and starts its replacement at once, unless interrupted or shutting down.
     """
     with _lock:
-        if _shutting_down:
+        if _POOLS.shutting_down:
             raise RuntimeError("remat_dist.testing is shutting down")
         pool = _get_pool(world_size)
         stats = _stats[world_size]
@@ -465,7 +476,7 @@ def run_on_pool(world_size: int, task: Task, timeout: float) -> list[Any]:
                 shutil.rmtree(shared_dir, ignore_errors=True)
             if pool.broken and pool.ready:
                 pool.kill()
-                if not _shutting_down and not interrupted:
+                if not _POOLS.shutting_down and not interrupted:
                     # Start the replacement now: it imports while the failure is
                     # reported and the next tests run.
                     try:

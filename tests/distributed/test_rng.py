@@ -33,7 +33,7 @@ cpu_only = pytest.mark.skipif(HAS_ACCELERATOR, reason="checks the CPU-only resol
 @pytest.fixture
 def restore_provider():
     """Put back whatever default-hooks provider was installed before the test."""
-    saved = _record._default_hooks_provider
+    saved = _record._SEAMS.hooks_provider
     yield
     _record.set_default_state_hooks_provider(saved)
 

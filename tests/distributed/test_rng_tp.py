@@ -222,7 +222,7 @@ def _check_cross_rank(ctx: DistContext, masks: list[Any], sharded_agree: bool) -
 def test_tp_default_hooks_via_provider_replay_bitwise(ctx: DistContext) -> None:
     """recompute_state_hooks=None with the distributed provider installed."""
     blocks, stream = _build(ctx.mesh)
-    saved = _record._default_hooks_provider
+    saved = _record._SEAMS.hooks_provider
     try:
         install_default_provider()
         # A gloo-only group is a CPU run: the default set is the CPU generator.

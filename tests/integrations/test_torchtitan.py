@@ -7,6 +7,7 @@ checkpointing: equal loss and gradients (bitwise, CPU), and equal MoE token coun
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import types
 from dataclasses import dataclass
@@ -40,15 +41,33 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     [
         (S.JobACConfig(mode="full"), ALL, {}),
         (S.FullAC.Config(), ALL, {}),
-        (S.JobACConfig(mode="selective", selective_ac_option="2"), ["layers.1", "layers.3"], {}),
+        (
+            S.JobACConfig(mode="selective", selective_ac_option="2"),
+            ["layers.1", "layers.3"],
+            {},
+        ),
         (S.JobACConfig(mode="selective", selective_ac_option="3"), ["layers.2"], {}),
         (S.JobACConfig(mode="selective", selective_ac_option="0"), ALL, {}),
-        (S.JobACConfig(mode="selective", selective_ac_option="op"), ALL, {"attention": "save"}),
+        (
+            S.JobACConfig(mode="selective", selective_ac_option="op"),
+            ALL,
+            {"attention": "save"},
+        ),
         (S.SelectiveAC.Config(), ALL, {"attention": "save"}),
     ],
-    ids=["job-full", "FullAC", "layer-2", "layer-3", "layer-0", "job-op", "SelectiveAC"],
+    ids=[
+        "job-full",
+        "FullAC",
+        "layer-2",
+        "layer-3",
+        "layer-0",
+        "job-op",
+        "SelectiveAC",
+    ],
 )
-def test_right_blocks_and_same_training_as_without_ac(config, blocks, regions, reference):
+def test_right_blocks_and_same_training_as_without_ac(
+    config, blocks, regions, reference
+):
     model = S.build()
     assert tt.selected_blocks(model, config) == blocks
     assert tt.apply_ac(model, config) is model
@@ -58,7 +77,10 @@ def test_right_blocks_and_same_training_as_without_ac(config, blocks, regions, r
     # preserve_rng_state=True -> remat_dist's default RNG hooks (dropout replays)
     assert all(spec.state_hooks is None for spec in plan.values())
     for name in blocks:
-        assert model.get_submodule(name).__dict__[SETTINGS_ATTR].mode in ("full", "selective")
+        assert model.get_submodule(name).__dict__[SETTINGS_ATTR].mode in (
+            "full",
+            "selective",
+        )
     # loss, every gradient and the MoE token counts equal the run without AC
     _assert_same(S.train_step(model, steps=2), reference)
 
@@ -89,7 +111,11 @@ def test_counts_right_when_the_moe_is_a_save_region(reference):
     # A saved MoE is not replayed: halving would be wrong, the guard is a no-op.
     model = S.build()
     config = S.JobACConfig(mode="selective", selective_ac_option="op")
-    tt.apply_ac(model, config, op_policy=lambda name, m: {"moe": "save"} if m.moe_enabled else "full")
+    tt.apply_ac(
+        model,
+        config,
+        op_policy=lambda name, m: {"moe": "save"} if m.moe_enabled else "full",
+    )
     assert remat_plan(model)["layers.1"].regions == {"moe": "save"}
     assert remat_plan(model)["layers.0"].regions == {}
     _assert_same(S.train_step(model, steps=2), reference)
@@ -103,8 +129,14 @@ def test_counts_right_when_the_moe_is_a_save_region(reference):
         ("none", "activation checkpointing is off"),
         (S.MemoryBudgetAC.Config(), "memory_budget"),
         (S.JobACConfig(mode="memory_budget"), "memory_budget"),
-        (S.JobACConfig(mode="selective", selective_ac_option="5"), "selects none of the 4 blocks"),
-        (S.JobACConfig(mode="selective", selective_ac_option="every"), "neither 'op' nor"),
+        (
+            S.JobACConfig(mode="selective", selective_ac_option="5"),
+            "selects none of the 4 blocks",
+        ),
+        (
+            S.JobACConfig(mode="selective", selective_ac_option="every"),
+            "neither 'op' nor",
+        ),
         (S.JobACConfig(mode="sometimes"), "unknown activation-checkpoint mode"),
         (object(), "cannot read"),
     ],
@@ -150,7 +182,9 @@ def test_knobs_map_onto_apply_remat():
     settings = tt.read_ac_config(config)
     assert (settings.determinism_check, settings.preserve_rng_state) == ("none", False)
     # a built policy (anything with .config) is read through its config
-    policy = types.SimpleNamespace(config=S.SelectiveAC.Config(preserve_rng_state=False))
+    policy = types.SimpleNamespace(
+        config=S.SelectiveAC.Config(preserve_rng_state=False)
+    )
     assert tt.read_ac_config(policy) == tt.ACSettings(
         mode="selective", selective_ac_option="op", preserve_rng_state=False
     )
@@ -162,8 +196,11 @@ def test_preserve_rng_state_false_with_dropout_modules_warns():
     masks, and the warning names the module and the fix."""
     model = S.build()
     model.layers["1"].drop = torch.nn.Dropout(0.1)
-    with pytest.warns(UserWarning, match=r"with dropout in the checkpointed blocks "
-                      r"\(layers\.1\.drop\).*Fix: preserve_rng_state=True"):
+    with pytest.warns(
+        UserWarning,
+        match=r"with dropout in the checkpointed blocks "
+        r"\(layers\.1\.drop\).*Fix: preserve_rng_state=True",
+    ):
         tt.apply_ac(model, S.JobACConfig(mode="full", preserve_rng_state=False))
 
 
@@ -188,7 +225,9 @@ def test_imports_torchtitan_only_inside_functions():
         n.module for n in top if isinstance(n, ast.ImportFrom) and n.module
     ]
     assert not [n for n in names if n.split(".")[0] == "torchtitan"]
-    assert "torchtitan" not in sys.modules or "torchtitan.config.override" in sys.modules
+    assert (
+        "torchtitan" not in sys.modules or "torchtitan.config.override" in sys.modules
+    )
 
 
 # --- the override wiring, against a minimal fake of torchtitan's registry -------------
@@ -240,7 +279,9 @@ def _fake_torchtitan(monkeypatch: pytest.MonkeyPatch) -> dict:
         "torchtitan.distributed.activation_checkpoint": ac_module,
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(tt_override, "_override_class", None)
+    # a fresh cache for this test's fake torchtitan, the real one put back after it
+    fresh = functools.cache(tt_override._remat_ac_config_class.__wrapped__)
+    monkeypatch.setattr(tt_override, "_remat_ac_config_class", fresh)
     return registry
 
 
@@ -272,8 +313,14 @@ def test_patch_apply_ac_replaces_a_parallelize_modules_apply_ac(reference):
     assert parallelize.apply_ac.torchtitan is original
     model = S.build()
     # torchtitan's call shape, with its extra keyword arguments
-    parallelize.apply_ac(model, S.JobACConfig(mode="full"), model_compile_enabled=False,
-                         use_flex_attn=False, op_sac_save_list=set(), base_folder="")
+    parallelize.apply_ac(
+        model,
+        S.JobACConfig(mode="full"),
+        model_compile_enabled=False,
+        use_flex_attn=False,
+        op_sac_save_list=set(),
+        base_folder="",
+    )
     assert calls == [] and list(remat_plan(model)) == ALL
     assert remat_plan(model)["layers.0"].collectives == "save"
     _assert_same(S.train_step(model, steps=2), reference)

@@ -3,6 +3,7 @@ override of ``ActivationCheckpointing.Config`` (see docs/torchtitan.md)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -19,15 +20,11 @@ log = logging.getLogger("remat_dist.integrations.torchtitan")
 
 # --- torchtitan's override mechanism (newer torchtitan) ----------------------------
 
-_override_class: Any = None
 
-
+@functools.cache
 def _remat_ac_config_class() -> Any:
     """The ``Configurable.Config`` that :func:`remat_activation_checkpoint` returns,
-    built on first use (it subclasses torchtitan's classes)."""
-    global _override_class
-    if _override_class is not None:
-        return _override_class
+    built once, on first use (it subclasses torchtitan's classes)."""
     from dataclasses import dataclass as config_dataclass
 
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
@@ -50,8 +47,7 @@ def _remat_ac_config_class() -> Any:
     # torchtitan's override log names the classes by qualified name
     RematDistAC.__qualname__ = "RematDistAC"
     RematDistAC.Config.__qualname__ = "RematDistAC.Config"
-    _override_class = RematDistAC.Config
-    return _override_class
+    return RematDistAC.Config
 
 
 def remat_activation_checkpoint(
