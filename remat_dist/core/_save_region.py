@@ -86,13 +86,34 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset(), last
 
 
+def _same_layout(a: torch.Tensor, t: torch.Tensor) -> bool:
+    """``t`` addresses exactly ``a``'s elements, as ``a`` does."""
+    return (
+        a.shape == t.shape
+        and a.stride() == t.stride()
+        and a.storage_offset() == t.storage_offset()
+    )
+
+
+def _dense(a: torch.Tensor) -> bool:
+    """``a``'s elements fill its storage extent with no gap and no overlap (it is
+    contiguous up to a permutation of its dims, e.g. ``w.t()``): every tensor within
+    that extent is made of ``a``'s elements only."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(a.shape, a.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class _RegionInputs:
     """The region's plain-tensor arguments that replay recomputes, by storage."""
 
     def __init__(self, record: CheckpointRecord, args: tuple[Any, ...], kwargs: dict):
         self.by_storage: dict[Any, list[tuple[int, torch.Tensor, int]]] = {}
         for i, a in enumerate(tree_leaves((args, kwargs))):
-            if type(a) is not torch.Tensor or a.numel() == 0 or not a.is_contiguous():
+            if type(a) is not torch.Tensor or a.numel() == 0:
                 continue
             key = storage_key(a)
             if key in record._producers:
@@ -112,7 +133,9 @@ class _RegionInputs:
             lo, hi = _extent(a)
             if t._version != version:
                 return None  # changed in place inside the region: replay would not
-            if a.dtype == t.dtype and lo <= first and last <= hi:
+            if a.dtype != t.dtype:
+                continue
+            if _same_layout(a, t) or (_dense(a) and lo <= first and last <= hi):
                 return i, a
         return None
 
