@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "RAW_SAVED_PREFIX",
     "current_graph_task_id",
+    "graph_task_keeps_graph",
     "node_sequence_nr",
     "pop_saved_tensors_hooks",
     "push_saved_tensors_hooks",
@@ -50,6 +51,10 @@ saved_tensors_hooks_disabled_message: Callable[[], str | None] = (
 
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 """The id of the backward graph task running on this thread (-1 outside backward)."""
+
+graph_task_keeps_graph: Callable[[], bool] = _ag._get_current_graph_task_keep_graph
+"""Whether the backward running on this thread keeps its graph (``retain_graph``);
+True outside backward."""
 
 queue_callback: Callable[[Callable[[], None]], None] = (
     torch.autograd.Variable._execution_engine.queue_callback

@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch import _autograd
 from remat_dist._torch._checkpoint import StopRecomputationError
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
@@ -393,6 +394,9 @@ class _Phase:
                 _restore(record, self._outside, "replay end")  # still recomputing
                 self._outside = ()
                 record.phase = phase
+                done = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
+                if phase in done and not _autograd.graph_task_keeps_graph():
+                    record.release_persisted()
             else:
                 record.phase = CheckpointPhase.WAITING
                 for r in record.regions:

@@ -100,6 +100,9 @@ class RegionRecord:
     output_structure: str = "tensor"
     """``tensor``, ``tuple`` or ``list``: how replay rebuilds the return value."""
     persisted: dict[int, PersistedOutput] = field(default_factory=dict)
+    released: set[int] = field(default_factory=set)
+    """Outputs whose persisted value a replay served and dropped (a backward that
+    does not keep its graph reads each once, as torch's checkpoint does)."""
     saved: list[SavedEntry] = field(default_factory=list)
     routed: list[tuple[Any, ...]] = field(default_factory=list)
     """Saves that are (views of) the region's own inputs: not kept, recomputed by
@@ -208,6 +211,14 @@ class CheckpointRecord:
     @property
     def save_regions(self) -> list[RegionRecord]:
         return [r for r in self.regions if r.is_save]
+
+    def release_persisted(self) -> None:
+        """Drop every persisted output left after a replay of a backward that does
+        not keep its graph: the regions after torch's early stop are never served
+        in it, and no later backward replays this graph."""
+        for r in self.regions:
+            r.released.update(r.persisted)
+            r.persisted.clear()
 
     def saved_nbytes(self) -> int:
         """Bytes this checkpoint keeps beyond its inputs: save-region saves plus

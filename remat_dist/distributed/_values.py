@@ -45,8 +45,12 @@ from remat_dist.core import (
     values_check_enabled,
 )
 from remat_dist.distributed import _step
-from remat_dist.distributed._collectives import CollectiveEntry, observe_collectives
-from remat_dist.distributed._intercept import CollectiveCall
+from remat_dist.distributed._collectives import CollectiveEntry
+from remat_dist.distributed._intercept import (
+    CollectiveCall,
+    ObserverExtent,
+    push_observer,
+)
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._replay import LedgerState, ledger_of
 from remat_dist.distributed._value_texts import DIFFER, collective_input_text
@@ -79,7 +83,8 @@ class _Values:
     saved: list[str] = field(default_factory=list)
     """The core's saved-tensor mismatch of the current replay, said after the
     collectives' (the cause comes before its effects)."""
-    extent: Any = None
+    extent: ObserverExtent | None = None
+    """Pushed by ``on_checkpoint_start``, popped by ``on_checkpoint_end``."""
 
 
 _values: weakref.WeakKeyDictionary[CheckpointRecord, _Values] = (
@@ -133,8 +138,7 @@ class _ValuesObserver:
                 return
             values.replay, values.saved = [], []
             values.total = len(verifier.expected)
-        values.extent = observe_collectives(_Fingerprint(values, state, verifier))
-        values.extent.__enter__()
+        values.extent = push_observer(_Fingerprint(values, state, verifier))
 
     def on_checkpoint_end(
         self, record: CheckpointRecord, replay: bool, error: BaseException | None
@@ -143,7 +147,7 @@ class _ValuesObserver:
         if values is None or values.extent is None:
             return
         extent, values.extent = values.extent, None
-        extent.__exit__(None, None, None)
+        extent.pop()
         replayed, values.replay = values.replay, []
         saved, values.saved = values.saved, []
         if not replay or error is not None:
