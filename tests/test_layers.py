@@ -67,7 +67,9 @@ def test_imports_point_down():
                 continue
             if target not in ALLOWED[layer]:
                 wrong.append(f"{rel}: {layer} -> {module}")
-    assert not wrong, "imports pointing the wrong way:\n" + "\n".join(sorted(set(wrong)))
+    assert not wrong, "imports pointing the wrong way:\n" + "\n".join(
+        sorted(set(wrong))
+    )
 
 
 def test_the_torch_seam_imports_only_errors():
@@ -78,7 +80,9 @@ def test_the_torch_seam_imports_only_errors():
         for module in _imports(path)
         if _layer(module) not in ("_torch", "_errors")
     ]
-    assert not wrong, "remat_dist/_torch imports more than _errors:\n" + "\n".join(wrong)
+    assert not wrong, "remat_dist/_torch imports more than _errors:\n" + "\n".join(
+        wrong
+    )
 
 
 def test_core_privates_stay_in_core():
@@ -92,17 +96,25 @@ def test_core_privates_stay_in_core():
             for module in _imports(path):
                 if any(module == p or module.startswith(p + ".") for p in private):
                     leaks.append(f"{path.relative_to(ROOT)}: {module}")
-    assert not leaks, "use remat_dist.core's front door:\n" + "\n".join(sorted(set(leaks)))
+    assert not leaks, "use remat_dist.core's front door:\n" + "\n".join(
+        sorted(set(leaks))
+    )
     # and the lint rule names every one of them, so ruff catches the next one
     toml = (ROOT / "pyproject.toml").read_text()
     missing = sorted(p for p in private if f'"{p}".msg' not in toml)
-    assert not missing, f"add to [tool.ruff.lint.flake8-tidy-imports.banned-api]: {missing}"
+    assert not missing, (
+        f"add to [tool.ruff.lint.flake8-tidy-imports.banned-api]: {missing}"
+    )
 
 
 def test_ruff_passes_with_the_layer_rule():
-    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
+        "ruff"
+    )
     if ruff is None:
-        pytest.fail("ruff is not installed: it comes with the test extra (pip install -e '.[test]')")
+        pytest.fail(
+            "ruff is not installed: it comes with the test extra (pip install -e '.[test]')"
+        )
     proc = subprocess.run(
         [ruff, "check", "remat_dist", "launchers", "scripts", "tests"],
         cwd=ROOT,
@@ -112,6 +124,7 @@ def test_ruff_passes_with_the_layer_rule():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_importing_core_modules_installs_nothing():
     # core's modules register no observer and no provider by themselves: the
     # composition root (remat_dist/__init__.py) attaches the distributed layer.
@@ -122,5 +135,7 @@ def test_importing_core_modules_installs_nothing():
         "names = [o.__class__.__module__ for o in r._SEAMS.observers]\n"
         "assert all(not n.startswith('remat_dist.core') for n in names), names\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr

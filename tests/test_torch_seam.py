@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "remat_dist"
 SEAM = PACKAGE / "_torch"
@@ -194,6 +196,7 @@ def _import_without(owner: str, attribute: str) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.slow
 def test_import_fails_naming_a_missing_private_piece():
     from remat_dist._torch import SUPPORTED_TORCH
 
@@ -204,6 +207,7 @@ def test_import_fails_naming_a_missing_private_piece():
     assert SUPPORTED_TORCH in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_import_fails_naming_a_missing_fsdp_method():
     owner = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
     proc = _import_without(owner, "post_backward")

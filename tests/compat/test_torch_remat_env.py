@@ -83,6 +83,7 @@ def test_unset_or_off_does_nothing(python, value):
     assert out.stderr == ""
 
 
+@pytest.mark.slow
 def test_set_serves_torch_remat_lazily_with_one_line(python):
     out = _run(
         python,
@@ -108,6 +109,7 @@ def test_set_serves_torch_remat_lazily_with_one_line(python):
     assert "installed torch_remat" not in served[0]
 
 
+@pytest.mark.slow
 def test_replaces_an_installed_torch_remat(python, tmp_path):
     package = tmp_path / "torch_remat"
     package.mkdir()

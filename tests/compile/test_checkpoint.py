@@ -77,8 +77,9 @@ class _Regions(torch.nn.Module):
             with remat.name_scope(f"part{i}"):
                 u = remat.region(self._up, "up", recompute=False)(h)
                 remat.recompute_needs_tensor(u)
-                h = h + remat.region(lambda t: torch.cos(t @ self.w2.T), "down",
-                                     recompute=True)(u)
+                h = h + remat.region(
+                    lambda t: torch.cos(t @ self.w2.T), "down", recompute=True
+                )(u)
         scale = 2.0 if remat.is_recomputing() else 1.0
         return h * scale
 
@@ -138,6 +139,7 @@ def test_block_equals_eager_remat(policy):
     assert got_bytes < ref_bytes / 2
 
 
+@pytest.mark.slow
 def test_block_inductor_within_tolerance():
     """Inductor (CPU): grads within INDUCTOR_RTOL (relative to the largest) of eager
     remat and bitwise equal to inductor without remat; saved bytes those of eager
@@ -157,10 +159,15 @@ def test_block_inductor_within_tolerance():
         assert diff <= INDUCTOR_RTOL * scale, (name, diff, scale)
     assert_grads_equal(plain_grads, got)
     # inductor adds its own 16-byte seed buffer next to the stashed state
-    assert 0 <= got_bytes - eager_bytes - RNG_STATE_BYTES <= 64, (got_bytes, eager_bytes)
+    assert 0 <= got_bytes - eager_bytes - RNG_STATE_BYTES <= 64, (
+        got_bytes,
+        eager_bytes,
+    )
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
 def test_dropout_equals_compiled_without_checkpoint(backend):
     """Dropout inside a compiled checkpoint: AOTAutograd replays the generator state
     it stashed, so grads equal the compiled block without remat bitwise."""
@@ -191,7 +198,9 @@ def test_whole_model_fullgraph():
     ref, model = GPT(cfg), GPT(cfg)
     remat.apply_remat(model, blocks=Block, policy={"attention": "save"})
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    torch.nn.functional.cross_entropy(compiled(tokens).flatten(0, 1), targets.flatten()).backward()
+    torch.nn.functional.cross_entropy(
+        compiled(tokens).flatten(0, 1), targets.flatten()
+    ).backward()
     ref.loss(tokens, targets).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name

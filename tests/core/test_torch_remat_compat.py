@@ -214,6 +214,7 @@ def _load_torchtitan_style(tmp_path, monkeypatch):
     return importlib.import_module("titan_like")
 
 
+@pytest.mark.slow
 def test_not_aliased_by_default():
     code = (
         "import sys, remat_dist, remat_dist.compat\n"

@@ -327,6 +327,7 @@ def _check_interception_at(key: str, store_path: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_backend_select_fallback_intercepts_in_a_fresh_process(tmp_path):
     # The pooled ranks use the key _choose_key picks (Fake on torch 2.13); the
     # fallback is process-wide, so it is tried in a process of its own.

@@ -591,6 +591,7 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
     assert len(errors) == 1 and "log_b" in errors[0], lines
 
 
+@pytest.mark.slow
 def test_remat_dist_log_env_turns_logging_on():
     # one fresh interpreter: quiet first (no handler, warnings still printed by
     # Python's last resort), then with REMAT_DIST_LOG=info as importing reads it

@@ -197,6 +197,7 @@ def _train(ctx: DistContext, tp: bool) -> None:
     ctx.barrier()
 
 
+@pytest.mark.slow
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_tp_dropout_no_false_alarm(ctx: DistContext):
     _train(ctx, tp=True)

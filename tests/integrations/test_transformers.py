@@ -158,6 +158,7 @@ def test_explicit_blocks_and_policies_still_work_and_plain_models_need_blocks():
         remat.apply_remat(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_remat_dist_imports_and_works_without_transformers():
     code = (
         "import sys; sys.modules['transformers'] = None\n"

@@ -208,6 +208,7 @@ def test_failure_while_peer_blocks_is_reported_promptly() -> None:
     assert run_distributed(_sum_ranks) == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_hang_is_reported_within_the_timeout() -> None:
     t0 = time.perf_counter()
     with pytest.raises(DistributedTimeoutError) as info:
@@ -242,6 +243,7 @@ def test_unpicklable_result_names_the_rank() -> None:
     assert "cannot be pickled" in str(info.value)
 
 
+@pytest.mark.slow
 def test_destroyed_group_gets_a_new_pool() -> None:
     starts = pool_stats()[2].starts if 2 in pool_stats() else 0
     run_distributed(_destroy_group)
