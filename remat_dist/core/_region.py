@@ -229,10 +229,10 @@ def _reject_fresh_leaves(
         raise RematUsageError(
             f"remat_dist: region {rr.name!r} (checkpoint {record.name!r}, "
             f"recompute={rr.recompute}) returned a leaf tensor that requires grad at "
-            f"output {j}: a fresh leaf tensor that requires grad (no grad_fn), "
-            "created inside the region. It is not connected to the region's inputs "
-            "and its replay would be another tensor. Fix: create it outside the checkpoint (e.g. as "
-            "a module parameter) and pass it in, or return the result of a "
+            f"output {j}: a fresh leaf (no grad_fn) created inside the region. It is "
+            "not connected to the region's inputs and its replay would be another "
+            "tensor. Fix: create it outside the checkpoint (e.g. as a module "
+            "parameter) and pass it in, or return the result of a "
             "computation on it."
         )
 

@@ -127,7 +127,7 @@ def test_region_returning_fresh_grad_leaf_is_refused(recompute):
     msg = str(info.value)
     assert "region 'layers.1::alloc'" in msg
     assert f"recompute={recompute}" in msg
-    assert "fresh leaf tensor that requires grad" in msg
+    assert "a fresh leaf (no grad_fn) created inside the region" in msg
     assert "Fix: create it outside the checkpoint" in msg
 
 
