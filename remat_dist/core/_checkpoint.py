@@ -227,6 +227,7 @@ def _run_checkpoint(
     if hooks is None:
         hooks = _record.default_state_hooks_for_checkpoint()
     record = CheckpointRecord(name, hooks, options)
+    record.values_check = _fingerprint.values_check_enabled(options)
     user_hooks = options.saved_tensors_hooks
     kept_under = entry_hooks(user_hooks)
     hooked = kept_under is not None
@@ -246,7 +247,7 @@ def _run_checkpoint(
             anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
             if not record.replaying:
                 anchors.append(anchor)
-        with _standin.tracking(record):  # notes / checks every saved tensor
+        with _standin.Tracking(record):  # notes / checks every saved tensor
             return call(*a)
 
     with user_hooks if user_hooks is not None else nullcontext():

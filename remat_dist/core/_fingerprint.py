@@ -214,7 +214,7 @@ def wrap_pack(
 ) -> Callable[[torch.Tensor], Any]:
     """The tracking pack hook of ``record``'s forward or replay, fingerprinting each
     saved tensor first when the value check is on (``pack`` itself otherwise)."""
-    if not values_check_enabled(record.options) or torch.compiler.is_compiling():
+    if not record.values_check or torch.compiler.is_compiling():
         return pack
     if not record.replaying:
         saved = _saved[record] = _Saved()

@@ -166,6 +166,7 @@ class CheckpointRecord:
         "replay_count",
         "replay_packs",
         "saved_meta",
+        "values_check",
         "_cursor",
         "_stack",
         "_names",
@@ -190,6 +191,9 @@ class CheckpointRecord:
         self.replay_count = 0
         self.replay_packs = 0
         self.saved_meta: list[tuple[Any, ...]] = []
+        self.values_check = False
+        """Whether this checkpoint's replay compares values (decided at its
+        forward: ``values_check_enabled``)."""
         self._cursor = 0
         self._stack: list[RegionRecord] = []
         self._names: set[str] = set()

@@ -1,7 +1,7 @@
 """Checking that a replay does what its forward did, saved tensor by saved tensor.
 
 Every tensor torch's checkpoint saves in a checkpoint's forward passes the core's
-tracking hook (``_standin.tracking``), which notes its shape, dtype, device and
+tracking hook (``_standin.Tracking``), which notes its shape, dtype, device and
 strides in ``record.saved_meta``. The replay's saves
 pass the same hook in the same order, and the first one that differs raises
 :class:`~remat_dist.ReplayMismatchError` at once: before the different

@@ -16,8 +16,6 @@ checks each against the forward's (``_replay_check``, for every checkpoint).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +28,11 @@ from remat_dist.core._replay_check import check_replayed
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
-__all__ = ["complete_with_stand_ins", "is_tracker", "pack_spec", "tracking"]
+__all__ = ["Tracking", "complete_with_stand_ins", "is_tracker", "pack_spec"]
 
 _top_hooks = _autograd.top_saved_tensors_hooks
+_push_hooks = _autograd.push_saved_tensors_hooks
+_pop_hooks = _autograd.pop_saved_tensors_hooks
 _OPAQUE = object()
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -67,43 +67,63 @@ def is_tracker(pack: Any) -> bool:
     return getattr(pack, "_remat_tracker", False)
 
 
-@contextlib.contextmanager
-def tracking(record: CheckpointRecord) -> Iterator[None]:
+class Tracking:
     """Inside torch's checkpoint hook: on forward, note each saved tensor's metadata
     (``record.saved_meta``: shape, dtype, device, strides and, for a tensor
     subclass, its :func:`pack_spec`); on replay, check each saved tensor against
-    the forward's (``_replay_check``) and count them."""
-    below = _top_hooks(False)
-    if below is None:
-        yield
-        return
-    pack_below, unpack_below = below
-    meta = record.saved_meta
-    if record.replaying:
-        record.replay_packs = 0
+    the forward's (``_replay_check``) and count them.
 
-        def pack(t: torch.Tensor) -> Any:
-            index = record.replay_packs
-            if index < len(meta):  # more than forward: torch's own error says so
-                check_replayed(record, index, t)
-            record.replay_packs = index + 1
-            return pack_below(t)
+    A plain class pushing the hook pair itself: it runs twice per checkpoint, and
+    its pack once per saved tensor, so it stays as short as Python allows."""
 
-    else:
+    __slots__ = ("record", "pushed")
 
-        def pack(t: torch.Tensor) -> Any:
-            # runs for every saved tensor of every checkpoint: plain tensors take
-            # the short path (no spec, the strides are all a stand-in needs)
-            if t.layout is _STRIDED and type(t) in _PLAIN:
-                meta.append((t.shape, t.dtype, t.device, t.stride(), None))
-            else:
-                meta.append((t.shape, t.dtype, t.device, None, pack_spec(t)))
-            return pack_below(t)
+    def __init__(self, record: CheckpointRecord) -> None:
+        self.record = record
+        self.pushed = False
 
-    pack = _fingerprint.wrap_pack(record, pack)  # determinism_check="values"
-    pack._remat_tracker = True  # type: ignore[attr-defined]
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
-        yield
+    def __enter__(self) -> None:
+        below = _top_hooks(False)
+        if below is None:
+            return
+        record = self.record
+        pack_below, unpack_below = below
+        meta = record.saved_meta
+        if record.replaying:
+            record.replay_packs = 0
+            forward = len(meta)
+
+            def pack(t: torch.Tensor) -> Any:
+                index = record.replay_packs
+                if index < forward:  # more than forward: torch's own error says so
+                    want = meta[index]
+                    if t.shape != want[0] or t.dtype != want[1] or t.device != want[2]:
+                        check_replayed(record, index, t)
+                record.replay_packs = index + 1
+                return pack_below(t)
+
+        else:
+            append = meta.append
+
+            def pack(t: torch.Tensor) -> Any:
+                # plain tensors take the short path (no spec: the strides are all
+                # a stand-in needs)
+                if t.layout is _STRIDED and type(t) in _PLAIN:
+                    append((t.shape, t.dtype, t.device, t.stride(), None))
+                else:
+                    append((t.shape, t.dtype, t.device, None, pack_spec(t)))
+                return pack_below(t)
+
+        if record.values_check:
+            pack = _fingerprint.wrap_pack(record, pack)
+        pack._remat_tracker = True  # type: ignore[attr-defined]
+        _push_hooks(pack, unpack_below)
+        self.pushed = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pushed:
+            self.pushed = False
+            _pop_hooks()
 
 
 def _stand_in(meta: tuple[Any, ...]) -> Any:

@@ -41,6 +41,7 @@ __all__ = [
     "observe_collectives",
     "push_observer",
     "set_step_hooks",
+    "step_hooks_set",
 ]
 
 
@@ -272,6 +273,16 @@ def set_step_hooks(
         and _dk.tls_key_included(inst.key)
     ):
         _dk.tls_set_key_included(inst.key, False)
+
+
+def step_hooks_set() -> bool:
+    """Whether a step hook is set, or a reset inside backward left the key in."""
+    inst, hooks = _INSTALLED, _HOOKS
+    if hooks.backward is not None or hooks.forward_note is not None:
+        return True
+    return inst.done and inst.tls_toggled and not _tls.stack and (
+        _dk.tls_key_included(inst.key)
+    )
 
 
 # ------------------------------------------------------------- FSDP2's own

@@ -60,7 +60,7 @@ LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
 
 
-@dataclass
+@dataclass(slots=True)
 class LedgerState:
     """What one checkpoint knows of its collectives (``record.extensions``)."""
 
@@ -176,6 +176,48 @@ def plan_of(record: CheckpointRecord) -> tuple[Any, ...]:
     )
 
 
+def _verifier(
+    record: CheckpointRecord, state: LedgerState, expected: list[CollectiveEntry]
+) -> VerifyCollectives:
+    """What checks (or serves) the collectives of one replay of ``record``."""
+    import torch.distributed as dist
+
+    served = any(e.kept is not None for e in expected)
+    cls = ServeCollectives if served else VerifyCollectives
+    return cls(
+        expected,
+        label=record.name,
+        rank=dist.get_rank(),
+        op_timeout=_step.replay_timeout(),
+        forward_total=len(state.ledger),
+    )
+
+
+class _QuietReplay:
+    """The observer of a replay whose forward issued no collective of its own (the
+    common case under FSDP2): FSDP2's collectives pass and are counted; any other
+    one goes to a verifier made on the spot, which refuses it as its forward never
+    issued it."""
+
+    __slots__ = ("record", "state", "counts", "verifier")
+
+    def __init__(
+        self, record: CheckpointRecord, state: LedgerState, counts: dict[str, int]
+    ) -> None:
+        self.record = record
+        self.state = state
+        self.counts = counts
+        self.verifier: VerifyCollectives | None = None
+
+    def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
+        if issued_by_fsdp():
+            self.counts["fsdp"] += 1
+            return issue()
+        if self.verifier is None:
+            self.verifier = _verifier(self.record, self.state, [])
+        return self.verifier.on_collective(call, issue)
+
+
 class _LedgerObserver:
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
         if not dist_ready():
@@ -197,15 +239,20 @@ class _LedgerObserver:
         state = ledger_of(record)
         if state is None:
             return
-        import torch.distributed as dist
-
+        counts = {"issued": 0, "served": 0, "fsdp": 0}
+        state.replays.append(counts)
+        if not state.ledger.entries and not state.stakes:
+            # its forward issued no collective but FSDP2's own outside any FSDP
+            # group at stake (checkpointing inside FSDP2's units): nothing to agree
+            # on or verify; a collective this replay issues anyway is refused
+            state._observer = _QuietReplay(record, state, counts)
+            state._extent = push_observer(state._observer)
+            return
         if state.stakes:
             _step.current_step().replay_starts(state.stakes)
-        # else: at stake nowhere (its forward issued no collective but FSDP2's
-        # own, on no FSDP group): no agreement to join here; a collective this
-        # replay issues anyway is refused by the verifier below
+        # else: at stake nowhere (point-to-point only): no agreement to join here;
+        # the verifier below still checks each collective before it is issued
         expected = state.replay_plan(len(record.saved_meta))
-        served = any(e.kept is not None for e in expected)
         if log.isEnabledFor(10):  # DEBUG
             log.debug(
                 "replay of '%s': %d of the forward's %d collectives (%d served)%s",
@@ -215,16 +262,7 @@ class _LedgerObserver:
                 sum(e.kept is not None for e in expected),
                 "".join(f"\n  #{e.position}: {e.describe()}" for e in expected),
             )
-        cls = ServeCollectives if served else VerifyCollectives
-        counts = {"issued": 0, "served": 0, "fsdp": 0}
-        state.replays.append(counts)
-        state._observer = cls(
-            expected,
-            label=record.name,
-            rank=dist.get_rank(),
-            op_timeout=_step.replay_timeout(),
-            forward_total=len(state.ledger),
-        )
+        state._observer = _verifier(record, state, expected)
         state._extent = push_observer(_SkipFSDP(state._observer, state, counts))
 
     def on_region_start(
@@ -255,6 +293,8 @@ class _LedgerObserver:
     def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
         state = ledger_of(record)
         observer = None if state is None else state._observer
+        if isinstance(observer, _QuietReplay):
+            observer = observer.verifier
         if observer is None or not state.stakes or is_comm_failure(error):
             # nothing at stake: no peer waits on this replay; raise as torch does
             return False
@@ -288,6 +328,10 @@ class _LedgerObserver:
                 state.stakes = tuple(sorted(by_stake))
                 _step.current_step().add_checkpoint(plan_of(record), by_stake)
             return
+        if isinstance(observer, _QuietReplay):
+            observer = observer.verifier
+            if observer is None:  # issued nothing of its own, as its forward
+                return
         counts = state.replays[-1]
         counts["issued"], counts["served"] = observer.issued, observer.served
         if error is None and observer.failure is None:

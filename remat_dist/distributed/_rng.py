@@ -128,6 +128,7 @@ class GeneratorStateHook:
                 f"{type(generator).__name__}"
             )
         self.generator = generator
+        self._philox: bool | None = None
 
     @property
     def device(self) -> torch.device:
@@ -137,7 +138,10 @@ class GeneratorStateHook:
     def snapshot(self) -> PhiloxState | torch.Tensor:
         """The generator's state: ``PhiloxState`` (16 bytes) or a state tensor."""
         gen = self.generator
-        if _is_philox(gen):
+        philox = self._philox
+        if philox is None:  # probed once per hook (it runs twice per checkpoint)
+            philox = self._philox = _is_philox(gen)
+        if philox:
             return PhiloxState(gen.initial_seed(), gen.get_offset())
         return gen.get_state()
 

@@ -12,6 +12,7 @@ initialised accelerator's) in a single process. The hooks themselves are in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,12 +62,17 @@ class DefaultHooksCache:
         default_factory=dict
     )
     single: dict[str, tuple[RecomputeStateHook, ...]] = field(default_factory=dict)
+    gloo_world: Any = None
+    """The default group last found to be gloo only (a CPU run), so that each
+    checkpoint does not ask for the backend again."""
 
     def reset(self) -> None:
         self.provider.clear()
         self.single.clear()
+        self.gloo_world = None
 
 
+_CPU = torch.device("cpu")
 _CACHE = register_state("distributed.default_state_hooks", DefaultHooksCache())
 
 
@@ -79,7 +85,13 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     # accelerator (the test harness, CPU launches). The hooks hold no per-call
     # state: reuse one set per device (resolved per call, so a set_device after
     # install is honoured).
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else rank_device()
+    world = dist.group.WORLD
+    if world is _CACHE.gloo_world:
+        device = _CPU
+    elif dist.get_backend() == "gloo":
+        device, _CACHE.gloo_world = _CPU, world
+    else:
+        device = rank_device()
     hooks = _CACHE.provider.get(device)
     if hooks is None:
         hooks = _CACHE.provider[device] = default_state_hooks(device)

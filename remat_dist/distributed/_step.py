@@ -53,7 +53,7 @@ from remat_dist.distributed._channel import (
     check_tag,
     tagged_words,
 )
-from remat_dist.distributed._intercept import set_step_hooks
+from remat_dist.distributed._intercept import set_step_hooks, step_hooks_set
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._value_texts import report_error_class
@@ -159,7 +159,8 @@ class StepState:
         """A checkpoint's forward starts: settle a report still owed, and stop
         intercepting what a finished backward left intercepted."""
         self._settle_owed()
-        self._hooks()
+        if step_hooks_set():
+            self._hooks()
 
     def arm(self) -> None:
         """Note the groups of the collectives issued from now on in this forward

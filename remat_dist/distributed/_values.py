@@ -42,7 +42,6 @@ from remat_dist.core import (
     fingerprints_differ,
     raise_at_backward_end,
     register_observer,
-    values_check_enabled,
 )
 from remat_dist.distributed import _step
 from remat_dist.distributed._collectives import CollectiveEntry
@@ -121,14 +120,12 @@ class _Fingerprint:
 
 class _ValuesObserver:
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
-        if not dist_ready():
+        if not record.values_check or not dist_ready():
             return
         state = ledger_of(record)
         if state is None:
             return
         if not replay:
-            if not values_check_enabled(record.options):
-                return
             values = _values[record] = _Values()
             verifier = None
         else:
@@ -143,6 +140,8 @@ class _ValuesObserver:
     def on_checkpoint_end(
         self, record: CheckpointRecord, replay: bool, error: BaseException | None
     ) -> None:
+        if not record.values_check:
+            return
         values = _values.get(record)
         if values is None or values.extent is None:
             return
