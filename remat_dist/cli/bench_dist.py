@@ -44,7 +44,9 @@ def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
         vocab_size=256, seq_len=cfg["seq"], dim=cfg["dim"], n_heads=4, n_layers=cfg["layers"]
     )
     model = GPT(config)
-    if variant == "remat replay":
+    if variant == "torch.utils.checkpoint":
+        _torch_checkpoint_blocks(model, tuc)
+    elif variant == "remat replay":
         remat.apply_remat(model, blocks=Block, collectives="replay")
     elif variant == "remat save":
         remat.apply_remat(model, blocks=Block, collectives="save")
@@ -54,9 +56,20 @@ def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         remat.shard_model(model, mesh, blocks=Block)
-    if variant == "torch.utils.checkpoint":
-        model.block_runner = lambda block, x, name: tuc.checkpoint(block, x, use_reentrant=False)
     return model, config
+
+
+def _torch_checkpoint_blocks(model: Any, tuc: Any) -> None:
+    """``torch.utils.checkpoint`` inside each block's forward, where ``apply_remat``
+    puts remat_dist's (and torchtitan's ``checkpoint_wrapper`` then ``fully_shard``
+    puts torch's): inside the FSDP unit, so both variants run the same hooks."""
+    for block in model.layers:
+        forward = block.forward
+
+        def checkpointed(x: Any, forward: Any = forward) -> Any:
+            return tuc.checkpoint(forward, x, use_reentrant=False)
+
+        block.forward = checkpointed
 
 
 def _kinds(ledger: Any) -> dict[str, int]:
@@ -98,6 +111,10 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 cpu[v].append(cpu_s)
                 for k in ("agreements", "reports", "messages", "store_requests"):
                     rounds[v][k] += getattr(after, k) - getattr(before, k)
+    ratios = {
+        v: [a / b for a, b in zip(times[v], times["torch.utils.checkpoint"])]
+        for v in VARIANTS
+    }
     for v in VARIANTS:
         model, config = models[v]
         tokens, targets = make_batch(config, cfg["batch"], seed=dp_rank)
@@ -122,9 +139,8 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             # each iteration runs every variant once, in a rotating order: the
             # ratio of two variants within one iteration cancels the machine's
             # drift; the median over iterations is what the table shows
-            "x_torch": statistics.median(
-                a / b for a, b in zip(times[v], times["torch.utils.checkpoint"])
-            ),
+            "x_torch": statistics.median(ratios[v]),
+            "x_torch_ci95": _median_ci95(ratios[v]),
             "cpu_x_torch": statistics.median(
                 a / b for a, b in zip(cpu[v], cpu["torch.utils.checkpoint"])
             ),
@@ -132,6 +148,20 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
         }
     out["ledger_cost_us"] = _ledger_costs(cfg["iters"] * 20)
     return out
+
+
+def _median_ci95(values: list[float], resamples: int = 1000) -> list[float]:
+    """A 95% interval of the median of ``values`` (percentile bootstrap, seeded):
+    how far the ratio a run shows can be from what the machine's noise hides."""
+    import random
+
+    if len(values) < 2:
+        return [values[0], values[0]] if values else [0.0, 0.0]
+    rng = random.Random(0)
+    meds = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
 
 
 def _ledger_costs(n: int) -> dict[str, float]:
@@ -338,6 +368,14 @@ def format_dist_table(result: dict[str, Any]) -> str:
         f"{costs['store_requests_per_step']:.0f} store requests per rank "
         "(any number of checkpoints)"
     )
+    ci = [
+        f"{layout} {v}: [{r['x_torch_ci95'][0]:.3f}, {r['x_torch_ci95'][1]:.3f}]"
+        for layout, res in result["layouts"].items()
+        for v in VARIANTS[2:]
+        if "x_torch_ci95" in (r := res[v])
+    ]
+    if ci:
+        lines.append("x torch, 95% interval of the median: " + "; ".join(ci))
     kinds = result["layouts"]["tp"]["remat replay"]["backward"]
     lines.append(f"tp backward collectives by kind (remat replay): {kinds}")
     return "\n".join(lines)
