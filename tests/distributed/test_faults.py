@@ -258,6 +258,27 @@ def test_tp_extra_collective_during_replay(ctx: DistContext):
     _clean_step(ctx.mesh)
 
 
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("dp",))
+def test_fsdp2_collective_in_a_replay_whose_forward_issued_none(ctx: DistContext):
+    # Checkpointing inside FSDP2's units: the forward issued nothing of its own,
+    # so nothing is at stake and the replay runs the light observer; a collective
+    # it issues anyway is refused before it is sent, on the rank that issues it.
+    model = _model(ctx.mesh, "full", tp=False)
+    _on_replay(model, 2, lambda: dist.all_reduce(torch.ones(3)))
+    loss = _loss(model)
+    err = _expect(
+        lambda: _backward_ops(loss),
+        remat.CollectiveReplayError,
+        f"rank {ctx.rank}, checkpoint 'layers.2'",
+        "expected: nothing more (this replay issues 0 of the forward's 0",
+        "actual:   allreduce_",
+        "f32[3]",
+    )
+    assert "allreduce_" not in _backward_ops.last  # type: ignore[attr-defined]
+    _same_on_every_rank(str(err).replace(f"rank {ctx.rank}", "rank r"))
+    _clean_step(ctx.mesh, tp=False)
+
+
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_tp_reshaped_collective_during_replay(ctx: DistContext):
     mlp = _tp_mlp(ctx.mesh)
