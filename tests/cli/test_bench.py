@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,20 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
     # sees) on top of the inputs
     assert columns["torch.utils.checkpoint"] < columns["selective (save matmuls)"]
     assert columns["selective (save matmuls)"] < columns["none"]
+
+
+@pytest.mark.slow
+def test_fsdp2_overhead_script_writes_json(tmp_path):
+    out = tmp_path / "fsdp2.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_fsdp2_overhead.py"), "--iters", "3",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"step", "forward", "backward"}
+    for row in rows.values():
+        lo, hi = row["x_torch_ci95"]
+        assert lo <= row["x_torch"] <= hi
