@@ -388,7 +388,7 @@ class _Phase:
                         exc, absorbed = None, True
                     else:
                         _replay_check.annotate(record, exc)
-                if exc is None and not absorbed:  # determinism_check="values"
+                if exc is None and not absorbed and record.values_check:
                     raising = exc = _fingerprint.replay_done(record)
                     if raising is not None:
                         phase = CheckpointPhase.REPLAY_FAILED

@@ -55,7 +55,7 @@ class _UserPacked:
 def _link_to_graph(record: CheckpointRecord, out: Any) -> None:
     """Let graph walks (reports) find the record from the output nodes, weakly."""
     ref = weakref.ref(record)
-    for t in tree_leaves(out):
+    for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             t.grad_fn.metadata.setdefault(RECORDS_METADATA_KEY, []).append(ref)
 

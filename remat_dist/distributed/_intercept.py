@@ -415,11 +415,11 @@ class ObserverExtent:
 
     __slots__ = ("observer", "_stack", "_added")
 
-    def __init__(self, observer: CollectiveObserver) -> None:
+    def __init__(self, observer: CollectiveObserver, checked: bool = False) -> None:
         self.observer = observer
         self._stack: list[CollectiveObserver] | None = None
         self._added = False
-        if not dist_ready():
+        if not checked and not dist_ready():
             return
         inst = _INSTALLED
         if not inst.done:
@@ -449,8 +449,8 @@ class ObserverExtent:
 
 def push_observer(observer: CollectiveObserver) -> ObserverExtent:
     """Route every collective this thread issues through ``observer`` until the
-    returned extent's ``pop()`` (a no-op without an initialised process group)."""
-    return ObserverExtent(observer)
+    returned extent's ``pop()`` (the caller has checked ``dist_ready()``)."""
+    return ObserverExtent(observer, checked=True)
 
 
 @contextlib.contextmanager

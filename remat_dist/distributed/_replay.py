@@ -223,9 +223,8 @@ class _LedgerObserver:
         if not dist_ready():
             return
         if not replay:
-            mode = record.options.get("collectives")
-            early = early_stop_enabled()
-            state = LedgerState(CollectiveLedger(), mode, early_stop=early)
+            mode = record.options.extensions.get("collectives")
+            state = LedgerState(CollectiveLedger(), mode, early_stop_enabled())
             recorder = RecordCollectives(
                 state.ledger,
                 keep_outputs=mode == "save",
@@ -320,11 +319,11 @@ class _LedgerObserver:
         if not replay:
             state._recorder = None
             if error is None:
-                by_stake = (
-                    stakes_of(state)
-                    if state.ledger.entries or state.fsdp_stakes
-                    else {}
-                )
+                if not state.ledger.entries and not state.fsdp_stakes:
+                    # at stake nowhere: its plan joins only the step's full plan
+                    _step.current_step().full.add(plan_of(record), {})
+                    return
+                by_stake = stakes_of(state)
                 state.stakes = tuple(sorted(by_stake))
                 _step.current_step().add_checkpoint(plan_of(record), by_stake)
             return
