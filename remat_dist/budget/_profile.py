@@ -32,6 +32,7 @@ from remat_dist._torch._module import buffers_of
 from remat_dist._torch._pytree import tree_leaves, tree_map
 from remat_dist.core import current_saved_tensor_info, plain, saved_tensors_hooks
 from remat_dist.distributed import CPURNGStateHook, default_state_hooks
+from remat_dist.distributed._intercept import ObserverExtent
 from remat_dist.wrap import BlockInstaller, call_block
 
 __all__ = [
@@ -124,6 +125,7 @@ class Counter:
                 owner = getattr(pack, "__self__", None)
                 self._outer = owner if isinstance(owner, saved_tensors_hooks) else (pack, unpack)
         self._hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._route: ObserverExtent | None = None
 
     def _pack(self, t: torch.Tensor) -> Any:
         local = plain(t)
@@ -160,9 +162,17 @@ class Counter:
 
     def __enter__(self) -> Counter:
         self._hooks.__enter__()
+        # The step it counts issues FSDP2's and TP's collectives under these Python
+        # hooks: through the interception kernels, which issue them with the hooks
+        # stack emptied, so no backend work holds a Python object (one that a
+        # gloo thread needs the GIL for, at interpreter exit: an abort).
+        self._route = ObserverExtent(None)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._route is not None:
+            self._route.pop()
+            self._route = None
         self._hooks.__exit__(*exc)
 
 
@@ -428,8 +438,12 @@ def _time_block(
             sync()
             t0 = clock()
             # innermost identity hooks: the model's counter must not see this pass
-            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                out = call_block(module, *args, **kwargs)
+            route = ObserverExtent(None)  # as in Counter: no hook in backend work
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                    out = call_block(module, *args, **kwargs)
+            finally:
+                route.pop()
             sync()
             block_s = min(block_s, clock() - t0)
             del out, args, kwargs

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from remat_dist._state import register_state
-from remat_dist._torch import _autograd, _c10d, _fsdp
+from remat_dist._torch import _autograd, _fsdp
 from remat_dist._torch import _dispatch as _dk
 from remat_dist.distributed._optable import (
     _NOT_COLLECTIVES,
@@ -411,21 +411,25 @@ class ObserverExtent:
     """One observer pushed on this thread's stack (:func:`push_observer`), popped by
     :meth:`pop` in the callback that ends its extent: how a checkpoint's forward
     or replay, which starts in one observer callback and ends in another, routes
-    its collectives. :func:`observe_collectives` is the ``with`` form."""
+    its collectives. :func:`observe_collectives` is the ``with`` form. With
+    ``observer=None`` only this thread's collectives reach the kernels, which issue
+    them without the saved-tensor hooks (:func:`_issue_bare`): for an extent where
+    remat_dist has Python hooks on the stack outside any checkpoint."""
 
     __slots__ = ("observer", "_stack", "_added")
 
-    def __init__(self, observer: CollectiveObserver, checked: bool = False) -> None:
-        self.observer = observer
-        self._stack: list[CollectiveObserver] | None = None
-        self._added = False
+    def __init__(
+        self, observer: CollectiveObserver | None, checked: bool = False
+    ) -> None:
+        self.observer, self._stack, self._added = observer, None, False
         if not checked and not dist_ready():
             return
         inst = _INSTALLED
         if not inst.done:
             _install()
         stack = self._stack = _tls.stack
-        stack.append(observer)
+        if observer is not None:
+            stack.append(observer)
         if inst.tls_toggled and not _dk.tls_key_included(inst.key):
             _dk.tls_set_key_included(inst.key, True)
             self._added = True
@@ -438,6 +442,8 @@ class ObserverExtent:
         if self._added:
             _dk.tls_set_key_included(_INSTALLED.key, False)
         observer = self.observer
+        if observer is None:
+            return
         if stack and stack[-1] is observer:
             stack.pop()
         else:
@@ -471,30 +477,3 @@ def observe_collectives(observer: CollectiveObserver) -> Iterator[CollectiveObse
         raise
     finally:
         extent.pop()
-
-
-# -------------------------------------------------------------------- results
-
-
-def _work_of(result: Any, spec: _OpSpec) -> Any:
-    import torch.distributed as dist
-
-    if spec.n_returns == 2:
-        w = result[1]
-    elif spec.n_returns == 1:
-        w = result
-    else:
-        return None
-    return dist.Work.unbox(w) if isinstance(w, torch.ScriptObject) else w
-
-
-def _completed_result(call: CollectiveCall, written: list[torch.Tensor]) -> Any:
-    spec = call._spec
-    if spec.n_returns == 0:
-        return None
-    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-    fut.set_result(written)
-    work = _c10d.work_from_future(fut).boxed()
-    if spec.n_returns == 1:
-        return work
-    return (call._arg(spec.out_idx[0]), work)

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from remat_dist.distributed._intercept import CollectiveCall, _bypass, _work_of
+from remat_dist._torch import _c10d
+from remat_dist.distributed._intercept import CollectiveCall, _bypass
 from remat_dist.distributed._optable import (
     TensorMeta,
     _materialize,
@@ -207,3 +208,32 @@ class CollectiveLedger:
     def __repr__(self) -> str:
         return f"CollectiveLedger({len(self.entries)} entries)"
 
+
+# -------------------------------------------------------------------- results
+
+
+def _work_of(result: Any, spec: _OpSpec) -> Any:
+    """The ``Work`` of a ``c10d::`` op's result (None for an op that returns none)."""
+    import torch.distributed as dist
+
+    if spec.n_returns == 2:
+        w = result[1]
+    elif spec.n_returns == 1:
+        w = result
+    else:
+        return None
+    return dist.Work.unbox(w) if isinstance(w, torch.ScriptObject) else w
+
+
+def _completed_result(call: CollectiveCall, written: list[torch.Tensor]) -> Any:
+    """What ``call``'s op returns, already completed, for outputs ``written``
+    (a served collective)."""
+    spec = call._spec
+    if spec.n_returns == 0:
+        return None
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut.set_result(written)
+    work = _c10d.work_from_future(fut).boxed()
+    if spec.n_returns == 1:
+        return work
+    return (call._arg(spec.out_idx[0]), work)

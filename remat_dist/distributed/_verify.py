@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from remat_dist._errors import CollectiveReplayError
-from remat_dist.distributed._intercept import (
-    CollectiveCall,
+from remat_dist.distributed._intercept import CollectiveCall
+from remat_dist.distributed._ledger import (
+    CollectiveEntry,
+    CollectiveLedger,
     _completed_result,
     _work_of,
 )
-from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.distributed._ready import this_rank
 
 __all__ = [

@@ -124,3 +124,39 @@ def test_tensor_parallel_budget(ctx: DistContext):
         assert grads_equal(grads, ref_grads)
     decisions = ctx.all_gather_object(current_plan(model).decisions())
     assert decisions[0] == decisions[1] and set(decisions[0].values()) != {"full"}
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("dp",), timeout=120)
+def test_profiling_step_issues_collectives_without_python_hooks(ctx: DistContext, monkeypatch):
+    # The profiling step counts saved bytes with Python saved-tensor hooks on the
+    # stack while FSDP2 all-gathers; a collective issued under them must go through
+    # the interception kernel, which issues it with the hooks taken off (a backend
+    # work holding a Python hook aborts the process at interpreter exit).
+    import torch
+    import torch.distributed as dist
+
+    from remat_dist._torch import _autograd
+    from remat_dist.distributed import _intercept
+
+    seen: list[bool] = []
+    bare = _intercept._issue_bare
+
+    def recording(redispatch, keyset, args):
+        seen.append(_autograd.top_saved_tensors_hooks(True) is not None)
+        return bare(redispatch, keyset, args)
+
+    monkeypatch.setattr(_intercept, "_issue_bare", recording)
+    model = _model(ctx.mesh, remat.MemoryBudget(bytes="1MiB"))
+    hooked: list[bool] = []
+
+    def probe(module, args):  # a collective of the model's own, under the hooks
+        if not remat.is_recomputing():
+            hooked.append(_autograd.top_saved_tensors_hooks(True) is not None)
+            before = len(seen)
+            dist.all_reduce(torch.ones(2))
+            assert seen[before:] == [True], seen[before:]
+
+    model.layers[0].register_forward_pre_hook(probe)
+    tokens, targets = _batch(ctx.rank)
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    assert hooked and hooked[0]  # the profiling step ran its forward under hooks
