@@ -316,4 +316,12 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The job is done and the group destroyed: leave without finalizing the
+    # interpreter. Under load, a MemoryBudget run aborted at finalization in 2 of 6
+    # CI suite runs ("terminate called without an active exception", a C++ thread
+    # that still needs the GIL); it did not reproduce in 58 runs outside the suite,
+    # so its cause is not found yet (docs/distributed.md, what is not covered).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
