@@ -18,18 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import time
 from typing import Any
-
-
-def _interval(values: list[float], resamples: int = 1000) -> list[float]:
-    rng = random.Random(0)
-    meds = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
-    )
-    return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
 
 
 def main() -> None:
@@ -47,7 +38,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
+    from remat_dist.cli.bench_dist import _median_ci95, _torch_checkpoint_blocks
     from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     torch.set_num_threads(1)
@@ -98,7 +89,7 @@ def main() -> None:
             "torch_ms": statistics.median(base[part]) * 1e3,
             "remat_ms": statistics.median(mine[part]) * 1e3,
             "x_torch": statistics.median(ratios),
-            "x_torch_ci95": _interval(ratios),
+            "x_torch_ci95": _median_ci95(ratios),
         }
         out["rows"][part] = row
         lo, hi = row["x_torch_ci95"]

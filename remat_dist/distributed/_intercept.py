@@ -265,13 +265,8 @@ def set_step_hooks(
             _install()
         if inst.tls_toggled and not _dk.tls_key_included(inst.key):
             _dk.tls_set_key_included(inst.key, True)
-    elif (
-        inst.done
-        and inst.tls_toggled
-        and not _tls.stack
-        and _graph_task_id() == -1  # the engine puts back the state it was called in
-        and _dk.tls_key_included(inst.key)
-    ):
+    # outside backward only: the engine puts back the state it was called in
+    elif _graph_task_id() == -1 and step_hooks_set():
         _dk.tls_set_key_included(inst.key, False)
 
 
