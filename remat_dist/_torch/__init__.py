@@ -56,6 +56,8 @@ _CORE = (
     "torch.utils.checkpoint._enable_checkpoint_early_stop",
     "torch.utils.checkpoint._Holder",
     "torch.utils.checkpoint._CheckpointFrame",
+    "torch.utils.checkpoint._checkpoint_hook",
+    "torch.utils.checkpoint._allowed_determinism_checks_to_fns",
     # _dispatch
     "torch._C._parse_dispatch_key",
     "torch._C._dispatch_has_backend_fallback",
@@ -103,6 +105,7 @@ _DISTRIBUTED = (
     "torch._C._distributed_c10d",
     "torch.ops._c10d_functional.wait_tensor",
     "torch.distributed.distributed_c10d._get_default_store",
+    "torch.distributed.distributed_c10d._world._default_pg",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.unshard",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward",

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.utils.checkpoint as _tc
 
 __all__ = [
+    "METADATA_MODE",
     "CheckpointFrame",
     "Holder",
     "StopRecomputationError",
     "checkpoint_wrapper_types",
     "early_stop_enabled",
+    "frame_of_pack_hook",
+    "register_metadata_fn",
 ]
 
 StopRecomputationError: type[BaseException] = _tc._StopRecomputationError
@@ -23,6 +27,57 @@ Holder: Any = _tc._Holder
 
 CheckpointFrame: Any = _tc._CheckpointFrame
 """What torch's non-reentrant checkpoint keeps per call (recompute fn, inputs)."""
+
+
+METADATA_MODE = "remat_dist"
+"""The ``determinism_check`` mode remat_dist hands torch's checkpoint: torch's own
+pack hook calls the function registered under it (:func:`register_metadata_fn`)
+on every tensor it saves and keeps the results on its frame (``x_metadatas``),
+where it would otherwise call a no-op; remat_dist checks the replay itself."""
+
+
+def register_metadata_fn(fn: Callable[[Any], Any]) -> None:
+    """Make ``fn`` what torch's checkpoint calls, under ``no_grad``, on each tensor
+    its forward saves when ``determinism_check=METADATA_MODE``."""
+    _tc._allowed_determinism_checks_to_fns[METADATA_MODE] = fn
+
+
+def frame_of_pack_hook(pack: Any) -> Any:
+    """The checkpoint frame of torch's checkpoint pack hook ``pack`` (the innermost
+    saved-tensor hook while a checkpoint's forward context runs), or None when
+    ``pack`` is another hook. Its ``x_metadatas`` fill with what the registered
+    metadata function returns; ``ignore_saved_mismatch = True`` leaves the check of
+    the replay to remat_dist."""
+    code = getattr(pack, "__code__", None)
+    if code is None or code is not _CHECKPOINT_PACK_CODE:
+        return None
+    return pack.__closure__[_FRAME_CELL].cell_contents
+
+
+def _checkpoint_pack_code() -> tuple[Any, int]:
+    """The code of torch's checkpoint pack hook and the index of its ``frame`` cell,
+    found by making one hook pair on a bare frame."""
+    frame = _tc._CheckpointFrame(None, False, None, None)
+    pack = getattr(_tc._checkpoint_hook(frame), "pack_hook", None)
+    cells = [c.cell_contents for c in getattr(pack, "__closure__", None) or ()]
+    found = [i for i, c in enumerate(cells) if c is frame]
+    for piece, ok in (
+        ("_CheckpointFrame.x_metadatas", isinstance(getattr(frame, "x_metadatas", None), list)),
+        ("_CheckpointFrame.ignore_saved_mismatch", hasattr(frame, "ignore_saved_mismatch")),
+        ("_checkpoint_hook's pack hook over its frame", bool(found)),
+    ):
+        if not ok:
+            from remat_dist._torch import SUPPORTED_TORCH
+
+            raise ImportError(
+                f"remat_dist needs torch{SUPPORTED_TORCH}: the installed torch has no "
+                f"torch.utils.checkpoint.{piece}. Install a supported torch "
+                f"(pip install 'torch{SUPPORTED_TORCH}')."
+            )
+    return pack.__code__, found[0]  # type: ignore[union-attr]
+
+
+_CHECKPOINT_PACK_CODE, _FRAME_CELL = _checkpoint_pack_code()
 
 
 def early_stop_enabled() -> bool:

@@ -32,7 +32,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist._torch._checkpoint import METADATA_MODE, StopRecomputationError
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
@@ -44,8 +44,7 @@ from remat_dist.core._hooks import (
 )
 from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
 from remat_dist.core._packed import _link_to_graph
-from remat_dist.core._record import CheckpointPhase, CheckpointRecord
-from remat_dist.core._save_region import _entry
+from remat_dist.core._record import CheckpointPhase, CheckpointRecord, saved_entry
 from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
@@ -93,8 +92,12 @@ def checkpoint(
             replays exactly. Pass ``()`` for none at all.
         saved_tensors_hooks: hooks applied to what this checkpoint keeps: its
             inputs, save-region saves and persisted outputs.
-        determinism_check: ``"none"``, ``"default"`` (torch's metadata check of
-            recomputed tensors) or ``"values"``: each tensor the replay saves,
+        determinism_check: ``"none"``, ``"default"`` or ``"values"``. Every
+            replay's saved tensors are checked against the forward's shape, dtype
+            and device, at the first that differs (``ReplayMismatchError``, a
+            ``CheckpointError``): torch's ``"default"`` check, made earlier, so
+            ``"none"`` and ``"default"`` behave alike. ``"values"`` adds: each
+            tensor the replay saves,
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
             kept); a difference raises ``ReplayValueMismatchError`` at the end of
@@ -231,11 +234,16 @@ def _run_checkpoint(
     user_hooks = options.saved_tensors_hooks
     kept_under = entry_hooks(user_hooks)
     hooked = kept_under is not None
-    record.input_entries = [
-        _entry(t, f"input {i}", packed_by_user_hook=hooked and i < len(args))
-        for i, t in enumerate((*args, *kwargs.values()))
-        if isinstance(t, torch.Tensor)
+    inputs = [
+        (i, t) for i, t in enumerate((*args, *kwargs.values())) if isinstance(t, torch.Tensor)
     ]
+    if hooked:  # what the user's hook packs may be the only copy left: note it now
+        record._input_entries = [
+            saved_entry(t, f"input {i}", packed_by_user_hook=i < len(args))
+            for i, t in inputs
+        ]
+    else:
+        record.note_inputs(inputs)
     forward_phase = _Phase(record, replay=False)
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn
@@ -243,11 +251,11 @@ def _run_checkpoint(
     anchors: list[Any] = []
 
     def body(*a: Any) -> Any:
-        if hooked:  # replay packs it again first, filling the forward's holder
-            anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
-            if not record.replaying:
-                anchors.append(anchor)
-        with _standin.Tracking(record):  # notes / checks every saved tensor
+        with _standin.Tracking(record):  # checks every saved tensor of a replay
+            if hooked:  # replay packs it again first, filling the forward's holder
+                anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
+                if not record.replaying:
+                    anchors.append(anchor)
             return call(*a)
 
     with user_hooks if user_hooks is not None else nullcontext():
@@ -263,9 +271,9 @@ def _run_checkpoint(
                 *args,
                 use_reentrant=False,
                 preserve_rng_state=False,
-                # "values" is remat_dist's own (_fingerprint); torch checks metadata
-                determinism_check="none" if options.determinism_check == "values"
-                else options.determinism_check,
+                # torch notes each saved tensor's metadata for remat_dist, which
+                # checks the replay itself (_replay_check, _fingerprint)
+                determinism_check=METADATA_MODE,
                 context_fn=lambda: (forward_phase, replay_phase),
             )
         except BaseException:
@@ -355,6 +363,7 @@ class _Phase:
                 self._outside = _snapshot(record, "replay start")
                 _restore(record, record.entry_state, "checkpoint entry, replay")
             else:
+                _standin.note_forward(record)
                 record.entry_state = _snapshot(record, "checkpoint entry")
             if _record._SEAMS.observers:
                 _record.notify("on_checkpoint_start", record, self.replay)

@@ -81,7 +81,16 @@ def values_check_enabled(options: CheckpointOptions) -> bool:
     ``determinism_check="values"``, or ``REMAT_DIST_DETERMINISM_CHECK=values``."""
     if options.determinism_check == "values":
         return True
+    if _ENV_BYTES is not None:  # one dict lookup: asked on every checkpoint
+        value = _ENV_BYTES.get(_ENV_KEY)
+        if value is None:
+            return False
     return os.environ.get(ENV, "").strip().lower() == "values"
+
+
+# os.environ's own mapping of encoded names (POSIX); elsewhere the plain lookup
+_ENV_BYTES: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV) if _ENV_BYTES is not None else None  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ fingerprints

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from remat_dist.core._options import CheckpointOptions
-from remat_dist.core._storage import TensorMeta
+from remat_dist.core._storage import TensorMeta, plain
 from remat_dist.core._types import RecomputeStateHook
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "RecordExtension",
     "RegionRecord",
     "SavedEntry",
+    "saved_entry",
     "live_records",
     "register_observer",
     "set_default_state_hooks_provider",
@@ -115,6 +116,39 @@ class RegionRecord:
         return not self.recompute and not self.inside_save
 
 
+def saved_entry(
+    t: torch.Tensor, name: str | None, *, packed_by_user_hook: bool = False
+) -> SavedEntry:
+    """Report metadata of a tensor the checkpoint keeps (an input, a region save)."""
+    local = plain(t)
+    storage = local.untyped_storage()
+    return SavedEntry(
+        name=name,
+        shape=tuple(t.shape),
+        dtype=t.dtype,
+        device=local.device,
+        storage=(local.device, storage._cdata),
+        storage_nbytes=storage.nbytes(),
+        nbytes=local.numel() * local.element_size(),
+        is_parameter=_of_parameter(t),
+        packed_by_user_hook=packed_by_user_hook,
+    )
+
+
+def _of_parameter(t: torch.Tensor) -> bool:
+    """``t`` is an ``nn.Parameter`` or a view of one (``linear`` saves ``weight.t()``):
+    its bytes belong to the model, not to the activations."""
+    for _ in range(16):
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        base = t._base
+        if base is None:
+            return False
+        t = base
+    return False
+
+
+
 class CheckpointPhase(enum.Enum):
     """Where one checkpoint is in its life (``record.phase``)."""
 
@@ -159,7 +193,8 @@ class CheckpointRecord:
         "regions",
         "state_hooks",
         "entry_state",
-        "input_entries",
+        "_input_entries",
+        "_inputs",
         "options",
         "extensions",
         "phase",
@@ -184,7 +219,8 @@ class CheckpointRecord:
         self.regions: list[RegionRecord] = []
         self.state_hooks = tuple(state_hooks)
         self.entry_state: tuple[Any, ...] = ()
-        self.input_entries: list[SavedEntry] = []
+        self._input_entries: list[SavedEntry] | None = []
+        self._inputs: tuple[tuple[int, Any], ...] = ()
         self.options = options
         self.extensions: dict[str, Any] = {}
         self.phase = CheckpointPhase.FORWARD
@@ -199,6 +235,27 @@ class CheckpointRecord:
         self._names: set[str] = set()
         self._producers: dict[tuple[Any, int], tuple[RegionRecord, int]] = {}
         _live.add(self)
+
+    @property
+    def input_entries(self) -> list[SavedEntry]:
+        """Report metadata of the tensor arguments, taken on first read (reports
+        read it while the graph, and so torch's frame holding the inputs, lives)."""
+        entries = self._input_entries
+        if entries is None:
+            entries = self._input_entries = [
+                saved_entry(t, f"input {i}")
+                for i, ref in self._inputs
+                if (t := ref()) is not None
+            ]
+            self._inputs = ()
+        return entries
+
+    def note_inputs(self, tensors: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Remember the tensor arguments (``(position, tensor)``) for
+        :attr:`input_entries`, weakly: torch's frame keeps them alive as long as
+        the checkpoint's graph."""
+        self._inputs = tuple((i, weakref.ref(t)) for i, t in tensors)
+        self._input_entries = None
 
     @property
     def replaying(self) -> bool:

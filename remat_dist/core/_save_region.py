@@ -26,43 +26,10 @@ from remat_dist.core._record import (
     CheckpointRecord,
     PersistedOutput,
     RegionRecord,
-    SavedEntry,
+    saved_entry,
 )
-from remat_dist.core._storage import plain, storage_key, storage_nbytes, tensor_meta
+from remat_dist.core._storage import storage_key, storage_nbytes, tensor_meta
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
-
-
-def _entry(
-    t: torch.Tensor, name: str | None, *, packed_by_user_hook: bool = False
-) -> SavedEntry:
-    """Report metadata of a tensor the checkpoint keeps (an input, a region save)."""
-    local = plain(t)
-    storage = local.untyped_storage()
-    return SavedEntry(
-        name=name,
-        shape=tuple(t.shape),
-        dtype=t.dtype,
-        device=local.device,
-        storage=(local.device, storage._cdata),
-        storage_nbytes=storage.nbytes(),
-        nbytes=local.numel() * local.element_size(),
-        is_parameter=_of_parameter(t),
-        packed_by_user_hook=packed_by_user_hook,
-    )
-
-
-def _of_parameter(t: torch.Tensor) -> bool:
-    """``t`` is an ``nn.Parameter`` or a view of one (``linear`` saves ``weight.t()``):
-    its bytes belong to the model, not to the activations."""
-    for _ in range(16):
-        if isinstance(t, torch.nn.Parameter):
-            return True
-        base = t._base
-        if base is None:
-            return False
-        t = base
-    return False
-
 
 _top_hooks = _autograd.top_saved_tensors_hooks
 
@@ -163,7 +130,7 @@ def _save_region_hooks(
                 )
                 return below[0](t)
         name = saved_name(t)
-        entry = _entry(t, name)
+        entry = saved_entry(t, name)
         entry.packed_by_user_hook = user is not None
         rr.saved.append(entry)
         if user is None:

@@ -9,9 +9,12 @@ and backward continues on this process with wrong values. This exists for
 collectives as its peers until all of them can raise together; an observer that
 absorbs an error must make sure the step fails later.
 
-The stand-ins need each saved tensor's metadata, recorded on forward by a pack hook
-pushed just above torch's (``record.saved_meta``), which also counts the tensors a replay recomputes and
-checks each against the forward's (``_replay_check``, for every checkpoint).
+The stand-ins need each saved tensor's metadata, which torch's own checkpoint pack
+hook notes on forward through the metadata function remat_dist registers with it
+(:func:`saved_meta`, kept in ``record.saved_meta``: no hook of ours runs per saved
+tensor on forward). On replay a pack hook pushed just above torch's counts the
+tensors the replay recomputes and checks each against the forward's
+(``_replay_check``, for every checkpoint).
 """
 
 from __future__ import annotations
@@ -21,14 +24,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist._torch._checkpoint import (
+    StopRecomputationError,
+    frame_of_pack_hook,
+    register_metadata_fn,
+)
 from remat_dist.core import _fingerprint
 from remat_dist.core._replay_check import check_replayed
 
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
-__all__ = ["Tracking", "complete_with_stand_ins", "is_tracker", "pack_spec"]
+__all__ = [
+    "Tracking",
+    "complete_with_stand_ins",
+    "is_tracker",
+    "note_forward",
+    "pack_spec",
+    "saved_meta",
+]
 
 _top_hooks = _autograd.top_saved_tensors_hooks
 _push_hooks = _autograd.push_saved_tensors_hooks
@@ -67,11 +81,34 @@ def is_tracker(pack: Any) -> bool:
     return getattr(pack, "_remat_tracker", False)
 
 
+def saved_meta(t: torch.Tensor) -> tuple[Any, ...]:
+    """What the forward notes of each tensor torch's checkpoint saves (torch's own
+    pack hook calls it, :data:`METADATA_MODE`): shape, dtype, device, and the
+    strides of a plain tensor or, for a tensor subclass, its :func:`pack_spec`."""
+    if t.layout is _STRIDED and type(t) in _PLAIN:
+        return (t.shape, t.dtype, t.device, t.stride(), None)
+    return (t.shape, t.dtype, t.device, None, pack_spec(t))
+
+
+register_metadata_fn(saved_meta)
+
+
+def note_forward(record: CheckpointRecord) -> None:
+    """At a checkpoint's forward start (torch's pack hook innermost): its frame's
+    metadata list becomes ``record.saved_meta``, and the check of the replay is
+    remat_dist's (torch's own after the replay is turned off)."""
+    hooks = _top_hooks(False)
+    frame = None if hooks is None else frame_of_pack_hook(hooks[0])
+    if frame is not None:
+        frame.ignore_saved_mismatch = True
+        record.saved_meta = frame.x_metadatas
+
+
 class Tracking:
-    """Inside torch's checkpoint hook: on forward, note each saved tensor's metadata
-    (``record.saved_meta``: shape, dtype, device, strides and, for a tensor
-    subclass, its :func:`pack_spec`); on replay, check each saved tensor against
-    the forward's (``_replay_check``) and count them.
+    """Inside torch's checkpoint hook, on replay: check each saved tensor against
+    the forward's (``_replay_check``) and count them; on a forward, only when the
+    value check is on (the metadata is noted by torch's own hook,
+    :func:`saved_meta`).
 
     A plain class pushing the hook pair itself: it runs twice per checkpoint, and
     its pack once per saved tensor, so it stays as short as Python allows."""
@@ -83,13 +120,16 @@ class Tracking:
         self.pushed = False
 
     def __enter__(self) -> None:
+        record = self.record
+        replaying = record.replaying
+        if not (replaying or record.values_check):
+            return
         below = _top_hooks(False)
         if below is None:
             return
-        record = self.record
         pack_below, unpack_below = below
-        meta = record.saved_meta
-        if record.replaying:
+        if replaying:
+            meta = record.saved_meta
             record.replay_packs = 0
             forward = len(meta)
 
@@ -103,17 +143,7 @@ class Tracking:
                 return pack_below(t)
 
         else:
-            append = meta.append
-
-            def pack(t: torch.Tensor) -> Any:
-                # plain tensors take the short path (no spec: the strides are all
-                # a stand-in needs)
-                if t.layout is _STRIDED and type(t) in _PLAIN:
-                    append((t.shape, t.dtype, t.device, t.stride(), None))
-                else:
-                    append((t.shape, t.dtype, t.device, None, pack_spec(t)))
-                return pack_below(t)
-
+            pack = pack_below
         if record.values_check:
             pack = _fingerprint.wrap_pack(record, pack)
         pack._remat_tracker = True  # type: ignore[attr-defined]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import sys
 
+from remat_dist._torch import _c10d
+
 __all__ = ["dist_ready", "this_rank"]
 
 
-def dist_ready() -> bool:
-    """True when ``torch.distributed`` is available and initialised."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
+dist_ready = _c10d.default_group_initialized
+"""True when ``torch.distributed`` is available and initialised."""
 
 
 def this_rank() -> int | None:

@@ -62,10 +62,12 @@ LEDGER_KEY = "remat_dist.collectives"
 
 @dataclass(slots=True)
 class LedgerState:
-    """What one checkpoint knows of its collectives (``record.extensions``)."""
+    """What one checkpoint knows of its collectives (``record.extensions``), and
+    the observer of its forward's collectives: FSDP2's own are counted and pass,
+    the rest are recorded in :attr:`ledger` (the recorder is made at the first)."""
 
     ledger: CollectiveLedger
-    mode: str
+    mode: str | None
     early_stop: bool = True
     """Whether torch's checkpoint stops the replay at the last saved tensor."""
     fsdp_collectives: int = 0
@@ -86,9 +88,24 @@ class LedgerState:
     replay runs: pushed by ``on_checkpoint_start``, popped by
     ``on_checkpoint_end`` (the core calls both, the end also when it raises)."""
     _observer: Any = None
-    _recorder: Any = None
+    _recorder: RecordCollectives | None = None
+    _packs: Callable[[], int] | None = None
+    """How many tensors the checkpoint has saved so far (stamped on entries)."""
+    keep_outputs: bool = False
+    """Whether the forward's collectives now keep their outputs (``"save"``)."""
     _starts: dict[int, int] = field(default_factory=dict)
     _keep: list[bool] = field(default_factory=list)
+
+    def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
+        if issued_by_fsdp():
+            self.fsdp_collectives += 1
+            self.fsdp_stakes.add(call.group.ranks)
+            return issue()
+        recorder = self._recorder
+        if recorder is None:
+            recorder = self._recorder = RecordCollectives(self.ledger, packs=self._packs)
+        recorder.keep_outputs = self.keep_outputs
+        return recorder.on_collective(call, issue)
 
     def kept_tensors(self) -> list[tuple[str, Any]]:
         """The collective outputs kept for comm-free replay (``RecordExtension``:
@@ -117,20 +134,18 @@ class LedgerState:
 
 
 class _SkipFSDP:
-    """Hands FSDP2's collectives straight through; the rest to ``inner``."""
+    """A replay's observer: hands FSDP2's collectives straight through (counted),
+    the rest to ``inner``."""
 
-    def __init__(self, inner: Any, state: LedgerState, replay: dict[str, int] | None):
+    __slots__ = ("inner", "counts")
+
+    def __init__(self, inner: Any, counts: dict[str, int]):
         self.inner = inner
-        self.state = state
-        self.replay = replay
+        self.counts = counts
 
     def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
         if issued_by_fsdp():
-            if self.replay is None:
-                self.state.fsdp_collectives += 1
-                self.state.fsdp_stakes.add(call.group.ranks)
-            else:
-                self.replay["fsdp"] += 1
+            self.counts["fsdp"] += 1
             return issue()
         return self.inner.on_collective(call, issue)
 
@@ -225,14 +240,10 @@ class _LedgerObserver:
         if not replay:
             mode = record.options.extensions.get("collectives")
             state = LedgerState(CollectiveLedger(), mode, early_stop_enabled())
-            recorder = RecordCollectives(
-                state.ledger,
-                keep_outputs=mode == "save",
-                packs=record.saved_meta.__len__,
-            )
-            state._recorder = recorder
+            state.keep_outputs = mode == "save"
+            state._packs = record.saved_meta.__len__
             _step.current_step().checkpoint_starts()
-            state._extent = push_observer(_SkipFSDP(recorder, state, None))
+            state._extent = push_observer(state)
             record.extensions[LEDGER_KEY] = state
             return
         state = ledger_of(record)
@@ -262,7 +273,7 @@ class _LedgerObserver:
                 "".join(f"\n  #{e.position}: {e.describe()}" for e in expected),
             )
         state._observer = _verifier(record, state, expected)
-        state._extent = push_observer(_SkipFSDP(state._observer, state, counts))
+        state._extent = push_observer(_SkipFSDP(state._observer, counts))
 
     def on_region_start(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
@@ -274,8 +285,8 @@ class _LedgerObserver:
             state._starts[region.index] = len(state.ledger)
         mode = region.options.get("collectives")
         if mode is not None:
-            state._keep.append(state._recorder.keep_outputs)
-            state._recorder.keep_outputs = mode == "save"
+            state._keep.append(state.keep_outputs)
+            state.keep_outputs = mode == "save"
 
     def on_region_end(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
@@ -287,7 +298,7 @@ class _LedgerObserver:
         if start is not None and len(state.ledger) > start:
             state.spans[region.index] = (start, len(state.ledger))
         if region.options.get("collectives") is not None:
-            state._recorder.keep_outputs = state._keep.pop()
+            state.keep_outputs = state._keep.pop()
 
     def on_replay_error(self, record: CheckpointRecord, error: BaseException) -> bool:
         state = ledger_of(record)
