@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["default_group_initialized", "default_store", "functional_wait", "work_from_future"]
+__all__ = [
+    "default_group",
+    "default_group_initialized", "default_store", "functional_wait", "work_from_future"]
 
 
 def default_group_initialized() -> bool:
@@ -16,6 +18,12 @@ def default_group_initialized() -> bool:
     ``torch.distributed`` when nothing else has."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     return c10d is not None and c10d._world._default_pg is not None
+
+
+def default_group() -> Any:
+    """The default process group (``dist.group.WORLD``), None before it exists."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    return None if c10d is None else c10d._world._default_pg
 
 
 def work_from_future(future: Any) -> Any:

@@ -8,7 +8,7 @@ rule enforces it; ``docs/extending.md`` documents each piece):
 
 * the per-checkpoint record: :class:`CheckpointRecord`, :class:`RegionRecord`,
   :class:`SavedEntry`, :class:`PersistedOutput`, :class:`CheckpointPhase`,
-  :class:`RecordExtension`, :func:`live_records`;
+  :class:`RecordExtension`, :func:`live_records`, :class:`WeakRecords`;
 * the observer seam: :class:`CheckpointObserver`, :func:`register_observer`;
 * the option seam: :func:`declare_option`, :class:`OptionSpec`,
   :class:`CheckpointOptions`;
@@ -45,6 +45,7 @@ from remat_dist.core._record import (
     RecordExtension,
     RegionRecord,
     SavedEntry,
+    WeakRecords,
     live_records,
     register_observer,
     set_default_state_hooks_provider,
@@ -76,6 +77,7 @@ __all__ = [
     "RegionRecord",
     "SavedEntry",
     "StorageKey",
+    "WeakRecords",
     "active_scope_depth",
     "classify_packed",
     "current_frame",

@@ -44,7 +44,12 @@ from remat_dist.core._hooks import (
 )
 from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
 from remat_dist.core._packed import _link_to_graph
-from remat_dist.core._record import CheckpointPhase, CheckpointRecord, saved_entry
+from remat_dist.core._record import (
+    _SEAMS,
+    CheckpointPhase,
+    CheckpointRecord,
+    saved_entry,
+)
 from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
@@ -53,6 +58,8 @@ from remat_dist.core._types import CollectiveMode, RecomputeStateHook
 __all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_is_compiling = torch.compiler.is_compiling
 
 _DETERMINISM_CHECKS = ("none", "default", "values")
 
@@ -182,7 +189,7 @@ def checkpoint(
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            if _compile.compiling():  # Dynamo cannot trace the contextvars below
+            if _is_compiling():  # Dynamo cannot trace the contextvars below
                 return _compile.run_checkpoint(fn, name, hooks, frozen, args, kwargs)
             return _run_checkpoint(fn, name, hooks, frozen, args, kwargs)
 
@@ -228,7 +235,8 @@ def _run_checkpoint(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if hooks is None:
-        hooks = _record.default_state_hooks_for_checkpoint()
+        provider = _SEAMS.hooks_provider
+        hooks = () if provider is None else provider()
     record = CheckpointRecord(name, hooks, options)
     record.values_check = _fingerprint.values_check_enabled(options)
     user_hooks = options.saved_tensors_hooks
@@ -251,12 +259,24 @@ def _run_checkpoint(
     anchors: list[Any] = []
 
     def body(*a: Any) -> Any:
-        with _standin.Tracking(record):  # checks every saved tensor of a replay
+        # a replay's saved tensors are checked (and a forward's fingerprinted, with
+        # the value check on) by a hook above torch's
+        tracker = (
+            _standin.Tracking(record)
+            if record.values_check or record.phase is not CheckpointPhase.FORWARD
+            else None
+        )
+        if tracker is not None:
+            tracker.__enter__()
+        try:
             if hooked:  # replay packs it again first, filling the forward's holder
                 anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
                 if not record.replaying:
                     anchors.append(anchor)
             return call(*a)
+        finally:
+            if tracker is not None:
+                tracker.__exit__()
 
     with user_hooks if user_hooks is not None else nullcontext():
         # a plain torch pair nested inside the user's hooks takes over: what the
@@ -365,8 +385,8 @@ class _Phase:
             else:
                 _standin.note_forward(record)
                 record.entry_state = _snapshot(record, "checkpoint entry")
-            if _record._SEAMS.observers:
-                _record.notify("on_checkpoint_start", record, self.replay)
+            for method in _SEAMS.starts[record.values_check]:
+                method(record, self.replay)
         except BaseException:
             if self.replay:
                 record.phase = CheckpointPhase.REPLAY_FAILED
@@ -415,8 +435,8 @@ class _Phase:
                 record._producers.clear()
                 record._names.clear()
             record._stack.clear()
-            if _record._SEAMS.observers:
-                _record.notify("on_checkpoint_end", record, self.replay, exc)
+            for method in _SEAMS.ends[record.values_check]:
+                method(record, self.replay, exc)
         finally:
             inputs_of_var.reset(inputs_token)
             frame_var.reset(frame_token)

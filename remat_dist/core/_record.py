@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +33,7 @@ __all__ = [
     "RecordExtension",
     "RegionRecord",
     "SavedEntry",
+    "WeakRecords",
     "saved_entry",
     "live_records",
     "register_observer",
@@ -301,12 +302,43 @@ class CheckpointRecord:
         return f"CheckpointRecord({self.name!r}, [{decisions}])"
 
 
-_live: weakref.WeakSet[CheckpointRecord] = weakref.WeakSet()
+class WeakRecords:
+    """Records held weakly, cheap to add to (one weak reference per record, no
+    callback on its death: adding runs once per checkpoint call). Dead references
+    are dropped as the list doubles and on every read."""
+
+    __slots__ = ("_refs", "_limit")
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[CheckpointRecord]] = []
+        self._limit = 64
+
+    def add(self, record: CheckpointRecord) -> None:
+        refs = self._refs
+        refs.append(weakref.ref(record))
+        if len(refs) > self._limit:
+            self.alive()
+
+    def alive(self) -> list[CheckpointRecord]:
+        """The records still alive, in the order they were added."""
+        out = [r for ref in self._refs if (r := ref()) is not None]
+        self._refs = [weakref.ref(r) for r in out]
+        self._limit = max(64, 2 * len(out))
+        return out
+
+    def __iter__(self) -> Iterator[CheckpointRecord]:
+        return iter(self.alive())
+
+    def __len__(self) -> int:
+        return len(self.alive())
+
+
+_live = WeakRecords()
 
 
 def live_records() -> list[CheckpointRecord]:
     """Every record whose autograd graph is still alive (weakly tracked)."""
-    return list(_live)
+    return _live.alive()
 
 
 class RecordExtension(Protocol):
@@ -323,7 +355,9 @@ class CheckpointObserver(Protocol):
     """Notified at phase and region boundaries of every checkpoint.
 
     Methods may be left out; only those present are called. ``replay`` is False on
-    forward. A region called outside any checkpoint (a plain call) is announced
+    forward. An observer whose class sets ``values_check_only = True`` gets its
+    checkpoint start and end calls only for checkpoints whose value check is on
+    (``record.values_check``). A region called outside any checkpoint (a plain call) is announced
     with ``record=None``. Observers must not raise except to report a real error (the error then
     propagates to the user's forward or backward).
     """
@@ -358,6 +392,26 @@ class _Seams:
 
     observers: list[Any] = field(default_factory=list)
     hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
+    starts: tuple[tuple[Callable[..., Any], ...], ...] = ((), ())
+    """The observers' ``on_checkpoint_start`` methods in order, without and with
+    the ``values_check_only`` ones (indexed by ``record.values_check``; called
+    twice per checkpoint call, so kept ready rather than looked up each time)."""
+    ends: tuple[tuple[Callable[..., Any], ...], ...] = ((), ())
+    """Their ``on_checkpoint_end`` methods, the same way."""
+
+    def refresh(self) -> None:
+        self.starts = _methods(self.observers, "on_checkpoint_start")
+        self.ends = _methods(self.observers, "on_checkpoint_end")
+
+
+def _methods(
+    observers: list[Any], event: str
+) -> tuple[tuple[Callable[..., Any], ...], ...]:
+    every = [(getattr(o, event, None), getattr(o, "values_check_only", False)) for o in observers]
+    return (
+        tuple(m for m, only in every if m is not None and not only),
+        tuple(m for m, _ in every if m is not None),
+    )
 
 
 _SEAMS = _Seams()
@@ -370,12 +424,14 @@ class _ObserverHandle:
     def remove(self) -> None:
         if self._observer in _SEAMS.observers:
             _SEAMS.observers.remove(self._observer)
+            _SEAMS.refresh()
 
 
 def register_observer(observer: CheckpointObserver) -> _ObserverHandle:
     """Attach ``observer`` (a :class:`CheckpointObserver`) to every checkpoint in
     this process; returns a handle whose ``remove()`` detaches it."""
     _SEAMS.observers.append(observer)
+    _SEAMS.refresh()
     return _ObserverHandle(observer)
 
 

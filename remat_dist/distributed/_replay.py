@@ -56,6 +56,8 @@ __all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
 
 log = get_logger(__name__)
 
+_NO_GROUPS: dict[str, str] = {}
+
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
 
@@ -243,7 +245,7 @@ class _LedgerObserver:
             state.keep_outputs = mode == "save"
             state._packs = record.saved_meta.__len__
             _step.current_step().checkpoint_starts()
-            state._extent = push_observer(state)
+            state._extent = ObserverExtent(state, checked=True)
             record.extensions[LEDGER_KEY] = state
             return
         state = ledger_of(record)
@@ -321,7 +323,7 @@ class _LedgerObserver:
     def on_checkpoint_end(
         self, record: CheckpointRecord, replay: bool, error: BaseException | None
     ) -> None:
-        state = ledger_of(record)
+        state = record.extensions.get(LEDGER_KEY)
         if state is None or state._extent is None:
             return
         extent, state._extent = state._extent, None
@@ -332,7 +334,12 @@ class _LedgerObserver:
             if error is None:
                 if not state.ledger.entries and not state.fsdp_stakes:
                     # at stake nowhere: its plan joins only the step's full plan
-                    _step.current_step().full.add(plan_of(record), {})
+                    entry = (
+                        plan_of(record)
+                        if record.regions
+                        else (record.name, state.mode, ())
+                    )
+                    _step.current_step().full.add(entry, _NO_GROUPS)
                     return
                 by_stake = stakes_of(state)
                 state.stakes = tuple(sorted(by_stake))

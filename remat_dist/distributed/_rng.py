@@ -129,6 +129,13 @@ class GeneratorStateHook:
             )
         self.generator = generator
         self._philox: bool | None = None
+        if generator.device.type == "cpu" and _plain_calls(type(self)):
+            # MT19937: the snapshot is the generator's state tensor, taken and put
+            # back by the generator's own methods (no Python frame of ours, at
+            # every checkpoint entry and replay)
+            self._philox = False
+            self.snapshot = generator.get_state  # type: ignore[method-assign]
+            self.restore = generator.set_state  # type: ignore[method-assign]
 
     @property
     def device(self) -> torch.device:
@@ -240,6 +247,16 @@ class DeviceRNGStateHook(GeneratorStateHook):
 
     def __repr__(self) -> str:
         return f"DeviceRNGStateHook(device={str(self._device)!r})"
+
+
+def _plain_calls(cls: type) -> bool:
+    """Whether ``cls`` snapshots and restores as :class:`GeneratorStateHook` does
+    (a subclass overriding either keeps its own)."""
+    return cls.snapshot in _PLAIN_SNAPSHOTS and cls.restore in _PLAIN_RESTORES
+
+
+_PLAIN_SNAPSHOTS = (GeneratorStateHook.snapshot, DeviceRNGStateHook.snapshot)
+_PLAIN_RESTORES = (GeneratorStateHook.restore, DeviceRNGStateHook.restore)
 
 
 class DTensorRNGState(NamedTuple):

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from remat_dist._state import register_state
+from remat_dist._torch._c10d import default_group
 from remat_dist.core import RecomputeStateHook, set_default_state_hooks_provider
 from remat_dist.distributed._rank_device import accelerator_type, rank_device
-from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._rng import (
     CPURNGStateHook,
     DeviceRNGStateHook,
@@ -77,7 +77,8 @@ _CACHE = register_state("distributed.default_state_hooks", DefaultHooksCache())
 
 
 def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
-    if not dist_ready():
+    world = default_group()
+    if world is None:
         return _single_process_hooks()
     import torch.distributed as dist
 
@@ -85,7 +86,6 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     # accelerator (the test harness, CPU launches). The hooks hold no per-call
     # state: reuse one set per device (resolved per call, so a set_device after
     # install is honoured).
-    world = dist.group.WORLD
     if world is _CACHE.gloo_world:
         device = _CPU
     elif dist.get_backend() == "gloo":

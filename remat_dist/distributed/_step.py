@@ -158,7 +158,8 @@ class StepState:
     def checkpoint_starts(self) -> None:
         """A checkpoint's forward starts: settle a report still owed, and stop
         intercepting what a finished backward left intercepted."""
-        self._settle_owed()
+        if self.owed is not None or self.task is not None:
+            self._settle_owed()
         if step_hooks_set():
             self._hooks()
 
@@ -463,9 +464,7 @@ def reset_step_state(namespace: str) -> None:
 def current_step() -> StepState:
     """This process's agreement state (made again when the process group is
     destroyed and created again)."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
+    world = _c10d.default_group()
     state = _PROCESS.state
     if state is None or state.world is not world:
         if state is not None:

@@ -119,6 +119,8 @@ class _Fingerprint:
 
 
 class _ValuesObserver:
+    values_check_only = True
+
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
         if not record.values_check or not dist_ready():
             return

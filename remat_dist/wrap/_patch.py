@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,8 @@ from torch import nn
 
 from remat_dist._torch._module import CALL_IMPL, call_impl_overridable, is_compiled
 from remat_dist.core import (
-    CheckpointRecord,
     RecomputeStateHook,
+    WeakRecords,
     current_frame,
     recompute_needs_tensor,
     region,
@@ -78,9 +77,7 @@ class BlockRemat:
     """The instance ``forward`` the block had before (None: the class's)."""
     run: Any = field(default=None, repr=False)
     """The checkpointed ``(module, *args, **kwargs) -> out`` callable."""
-    pending: weakref.WeakSet[CheckpointRecord] = field(
-        default_factory=weakref.WeakSet, repr=False, compare=False
-    )
+    pending: WeakRecords = field(default_factory=WeakRecords, repr=False, compare=False)
     """The block's checkpoint records whose autograd graph is still alive: a
     backward through them would replay the block as its forward ran it."""
     replays: int = field(default=0, repr=False, compare=False)
@@ -117,17 +114,15 @@ def call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             spec.replays += 1
         else:
             spec.pending.add(frame)
-            _FORWARD_REGIONS[frame] = spec.regions
+            frame.extensions[_REGIONS_KEY] = spec.regions
     if spec.previous_forward is None:
         return type(module).forward(module, *args, **kwargs)
     return spec.previous_forward(*args, **kwargs)
 
 
-_FORWARD_REGIONS: weakref.WeakKeyDictionary[Any, dict[str, str]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per checkpoint record of a block: the regions its forward ran (its replay runs
-the same, whatever plan is installed by then)."""
+_REGIONS_KEY = "remat_dist.wrap.regions"
+"""``record.extensions`` key of a block's checkpoint record: the regions its
+forward ran (its replay runs the same, whatever plan is installed by then)."""
 
 
 def blocks_with_live_graphs(modules: Any) -> list[str]:
@@ -175,7 +170,7 @@ def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # a graph built under an earlier plan (the memory-budget planner installs
         # its plan while micro-batches of the profiling step wait for backward):
         # replay the call as that forward ran it
-        bound = _FORWARD_REGIONS.get(frame)
+        bound = frame.extensions.get(_REGIONS_KEY)
         if bound is not None and bound.get(spec.name) != mode:
             mode = bound.get(spec.name)
             if mode is None:
