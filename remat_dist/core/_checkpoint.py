@@ -23,8 +23,8 @@ calls in :mod:`~remat_dist.core._state_hooks`, options in
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -43,7 +43,7 @@ from remat_dist.core._hooks import (
     saved_tensors_hooks,
 )
 from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
-from remat_dist.core._packed import _link_to_graph
+from remat_dist.core._packed import RECORDS_METADATA_KEY, _link_to_graph
 from remat_dist.core._record import (
     _SEAMS,
     CheckpointPhase,
@@ -242,16 +242,14 @@ def _run_checkpoint(
     user_hooks = options.saved_tensors_hooks
     kept_under = entry_hooks(user_hooks)
     hooked = kept_under is not None
-    inputs = [
-        (i, t) for i, t in enumerate((*args, *kwargs.values())) if isinstance(t, torch.Tensor)
-    ]
     if hooked:  # what the user's hook packs may be the only copy left: note it now
         record._input_entries = [
             saved_entry(t, f"input {i}", packed_by_user_hook=i < len(args))
-            for i, t in inputs
+            for i, t in enumerate((*args, *kwargs.values()))
+            if isinstance(t, torch.Tensor)
         ]
-    else:
-        record.note_inputs(inputs)
+    else:  # their report entries are taken when a report reads them
+        record.note_inputs(args, kwargs)
     forward_phase = _Phase(record, replay=False)
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn
@@ -278,36 +276,44 @@ def _run_checkpoint(
             if tracker is not None:
                 tracker.__exit__()
 
-    with user_hooks if user_hooks is not None else nullcontext():
-        # a plain torch pair nested inside the user's hooks takes over: what the
-        # save regions keep goes to it too
-        pushed = hooks_var.set(hooks_var.get() + (kept_under,)) if (
-            hooked and innermost_hooks() is not kept_under
-        ) else None
-        token = inputs_of_var.set(name)
-        try:
-            out = torch_checkpoint.checkpoint(
-                body,
-                *args,
-                use_reentrant=False,
-                preserve_rng_state=False,
-                # torch notes each saved tensor's metadata for remat_dist, which
-                # checks the replay itself (_replay_check, _fingerprint)
-                determinism_check=METADATA_MODE,
-                context_fn=lambda: (forward_phase, replay_phase),
-            )
-        except BaseException:
-            # the anchor's saved tensor reaches torch's frame, which holds body and
-            # so this list: a cycle through autograd's C++ that gc cannot collect
-            anchors.clear()
-            raise
-        finally:
-            inputs_of_var.reset(token)
-            if pushed is not None:
-                hooks_var.reset(pushed)
+    if user_hooks is not None:
+        user_hooks.__enter__()
+    # a plain torch pair nested inside the user's hooks takes over: what the save
+    # regions keep goes to it too
+    pushed = hooks_var.set(hooks_var.get() + (kept_under,)) if (
+        hooked and innermost_hooks() is not kept_under
+    ) else None
+    token = inputs_of_var.set(name)
+    try:
+        out = torch_checkpoint.checkpoint(
+            body,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            # torch notes each saved tensor's metadata for remat_dist, which
+            # checks the replay itself (_replay_check, _fingerprint)
+            determinism_check=METADATA_MODE,
+            context_fn=lambda: (forward_phase, replay_phase),
+        )
+    except BaseException:
+        # the anchor's saved tensor reaches torch's frame, which holds body and
+        # so this list: a cycle through autograd's C++ that gc cannot collect
+        anchors.clear()
+        raise
+    finally:
+        inputs_of_var.reset(token)
+        if pushed is not None:
+            hooks_var.reset(pushed)
+        if user_hooks is not None:
+            user_hooks.__exit__(None, None, None)
     if anchors:
         _replay_first(anchors.pop().grad_fn, out)
-    _link_to_graph(record, out)
+    if type(out) is torch.Tensor:  # let reports find the record from the graph
+        node = out.grad_fn
+        if node is not None:
+            node.metadata.setdefault(RECORDS_METADATA_KEY, []).append(weakref.ref(record))
+    else:
+        _link_to_graph(record, out)
     return out
 
 

@@ -221,7 +221,7 @@ class CheckpointRecord:
         self.state_hooks = tuple(state_hooks)
         self.entry_state: tuple[Any, ...] = ()
         self._input_entries: list[SavedEntry] | None = []
-        self._inputs: tuple[tuple[int, Any], ...] = ()
+        self._inputs: list[tuple[int, Any]] = []
         self.options = options
         self.extensions: dict[str, Any] = {}
         self.phase = CheckpointPhase.FORWARD
@@ -248,14 +248,17 @@ class CheckpointRecord:
                 for i, ref in self._inputs
                 if (t := ref()) is not None
             ]
-            self._inputs = ()
+            self._inputs = []
         return entries
 
-    def note_inputs(self, tensors: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Remember the tensor arguments (``(position, tensor)``) for
-        :attr:`input_entries`, weakly: torch's frame keeps them alive as long as
-        the checkpoint's graph."""
-        self._inputs = tuple((i, weakref.ref(t)) for i, t in tensors)
+    def note_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Remember the tensor arguments for :attr:`input_entries`, weakly: torch's
+        frame keeps them alive as long as the checkpoint's graph."""
+        self._inputs = [
+            (i, _weak(t))
+            for i, t in enumerate((*args, *kwargs.values()) if kwargs else args)
+            if isinstance(t, _Tensor)
+        ]
         self._input_entries = None
 
     @property
@@ -300,6 +303,10 @@ class CheckpointRecord:
             for r in self.regions
         )
         return f"CheckpointRecord({self.name!r}, [{decisions}])"
+
+
+_weak = weakref.ref
+_Tensor = torch.Tensor
 
 
 class WeakRecords:
