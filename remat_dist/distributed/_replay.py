@@ -57,6 +57,9 @@ __all__ = ["LEDGER_KEY", "LedgerState", "ledger_of", "plan_of"]
 log = get_logger(__name__)
 
 _NO_GROUPS: dict[str, str] = {}
+_NO_COLLECTIVES = CollectiveLedger()
+"""The ledger of a forward that issued no collective of its own (shared, never
+appended to: :meth:`LedgerState.on_collective` makes a ledger first)."""
 
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
@@ -91,6 +94,8 @@ class LedgerState:
     ``on_checkpoint_end`` (the core calls both, the end also when it raises)."""
     _observer: Any = None
     _recorder: RecordCollectives | None = None
+    _step: Any = None
+    """The step state its forward started in (``_step.StepState``)."""
     _packs: Callable[[], int] | None = None
     """How many tensors the checkpoint has saved so far (stamped on entries)."""
     keep_outputs: bool = False
@@ -105,6 +110,8 @@ class LedgerState:
             return issue()
         recorder = self._recorder
         if recorder is None:
+            if self.ledger is _NO_COLLECTIVES:
+                self.ledger = CollectiveLedger()
             recorder = self._recorder = RecordCollectives(self.ledger, packs=self._packs)
         recorder.keep_outputs = self.keep_outputs
         return recorder.on_collective(call, issue)
@@ -241,10 +248,11 @@ class _LedgerObserver:
             return
         if not replay:
             mode = record.options.extensions.get("collectives")
-            state = LedgerState(CollectiveLedger(), mode, early_stop_enabled())
+            # the ledger is made at the first collective (most forwards issue none)
+            state = LedgerState(_NO_COLLECTIVES, mode, early_stop_enabled())
             state.keep_outputs = mode == "save"
             state._packs = record.saved_meta.__len__
-            _step.current_step().checkpoint_starts()
+            state._step = _step.checkpoint_forward_starts()
             state._extent = ObserverExtent(state, checked=True)
             record.extensions[LEDGER_KEY] = state
             return
@@ -339,7 +347,7 @@ class _LedgerObserver:
                         if record.regions
                         else (record.name, state.mode, ())
                     )
-                    _step.current_step().full.add(entry, _NO_GROUPS)
+                    state._step.full.add(entry, _NO_GROUPS)
                     return
                 by_stake = stakes_of(state)
                 state.stakes = tuple(sorted(by_stake))

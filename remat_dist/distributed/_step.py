@@ -23,9 +23,9 @@ one micro-batch of a pipeline schedule)::
               CollectiveReplayError, before the optimizer step
 
 Nothing at stake (FSDP2 or DDP with checkpoints inside the units): no agreement,
-no report, no message, no store request. The rounds run on a side channel per
-stake (``_channel``: direct links among the stake's ranks, ``log2(n)`` hops); the
-c10d store sees the channel's setup and slow or failed rounds only. Because the
+report, message or store request. The rounds run on a side channel per stake
+(``_channel``: direct links among its ranks, ``log2(n)`` hops); the c10d store
+sees the channel's setup and slow or failed rounds only. Because the
 pending plan is keyed by stake and drained by the first graph task that needs it,
 several graphs alive at once (pipeline schedules, gradient accumulation) each agree
 once, and pipeline stages never wait on each other.
@@ -155,14 +155,6 @@ class StepState:
         self._lock = threading.RLock()
 
     # -- forward
-    def checkpoint_starts(self) -> None:
-        """A checkpoint's forward starts: settle a report still owed, and stop
-        intercepting what a finished backward left intercepted."""
-        if self.owed is not None or self.task is not None:
-            self._settle_owed()
-        if step_hooks_set():
-            self._hooks()
-
     def arm(self) -> None:
         """Note the groups of the collectives issued from now on in this forward
         (``mark_step``, a checkpoint's start)."""
@@ -470,6 +462,18 @@ def current_step() -> StepState:
         if state is not None:
             state.close()
         state = _PROCESS.state = StepState(world, _PROCESS.namespace)
+    return state
+
+
+def checkpoint_forward_starts() -> StepState:
+    """:func:`current_step` at a checkpoint's forward: settles owed reports, stale hooks."""
+    state = _PROCESS.state
+    if state is None or state.world is not _c10d.default_group():
+        state = current_step()
+    if state.owed is not None or state.task is not None:
+        state._settle_owed()
+    if step_hooks_set():
+        state._hooks()
     return state
 
 

@@ -103,9 +103,9 @@ class _Fingerprint:
         fp = inputs_fingerprint(call)  # before the op writes its buffers
         verifier = self.verifier
         if verifier is None:  # forward: keep it if the ledger recorded the call
-            ledger = self.state.ledger
-            before = len(ledger)
+            before = len(self.state.ledger)
             result = issue()
+            ledger = self.state.ledger  # made by the first collective recorded
             if fp is not None and len(ledger) > before:
                 self.values.forward[ledger.entries[-1].position] = fp
             return result
