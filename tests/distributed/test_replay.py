@@ -66,6 +66,35 @@ def test_tp_replay_and_comm_free_replay(ctx: DistContext):
     assert kept == 3 * 2 * 4 * CONFIG.seq_len * CONFIG.dim * 4  # the kept outputs
 
 
+@distributed(world_size=2)
+def test_a_forward_without_collectives_shares_no_ledger_with_one_that_issues(ctx: DistContext):
+    # a forward that issues no collective keeps a shared empty ledger until its
+    # first one: the next checkpoint's collectives must land in its own ledger only
+    x = torch.ones(4, requires_grad=True)
+
+    def quiet(t):
+        return t * t  # saves t: its record lives with the graph
+
+    def talks(t):
+        y = t * t
+        dist.all_reduce(y)
+        return y
+
+    before = {id(r) for r in live_records()}
+    outs = [
+        remat.checkpoint(region_name=name)(fn)(x)
+        for name, fn in (("quiet.0", quiet), ("talks", talks), ("quiet.1", quiet))
+    ]
+    mine = {r.name: ledger_of(r) for r in live_records() if id(r) not in before}
+    assert [len(mine[n].ledger) for n in ("quiet.0", "talks", "quiet.1")] == [0, 1, 0]
+    assert mine["quiet.0"].ledger is mine["quiet.1"].ledger  # the shared empty one
+    assert mine["talks"].ledger is not mine["quiet.0"].ledger
+    sum(o.sum() for o in outs).backward()
+    # all_reduce sums the two ranks' y; its backward is torch's identity
+    assert torch.equal(x.grad, torch.full((4,), 6.0))
+    assert [len(mine[n].ledger) for n in ("quiet.0", "quiet.1")] == [0, 0]
+
+
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_tp_attention_saved_skips_its_collectives_on_replay(ctx: DistContext):
     ref, ref_ops, _ = _step(_tp_gpt(ctx.mesh, None, "replay"))

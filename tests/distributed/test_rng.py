@@ -66,6 +66,29 @@ def test_generator_hook_round_trip_user_generator():
     assert torch.equal(torch.default_generator.get_state(), before)
 
 
+def test_generator_hook_subclass_keeps_its_own_snapshot_and_restore():
+    # CPU generator hooks snapshot through the generator's own methods (no Python
+    # frame per checkpoint); a subclass overriding either must still be called
+    calls = []
+
+    class Counting(GeneratorStateHook):
+        def snapshot(self):
+            calls.append("snapshot")
+            return super().snapshot()
+
+        def restore(self, state):
+            calls.append("restore")
+            super().restore(state)
+
+    gen = torch.Generator().manual_seed(3)
+    out = remat.checkpoint(region_name="c", recompute_state_hooks=(Counting(gen),))(
+        lambda x: x * torch.rand(4, generator=gen)
+    )(torch.ones(4, requires_grad=True))
+    out.sum().backward()
+    # entry; replay: outside snapshot, entry restore, outside restore
+    assert calls == ["snapshot", "snapshot", "restore", "restore"]
+
+
 def test_device_hook_round_trip():
     hook = DeviceRNGStateHook()
     _round_trip(hook, lambda: torch.rand(6, device=hook.device))
