@@ -10,7 +10,11 @@ from typing import Any
 
 __all__ = [
     "default_group",
-    "default_group_initialized", "default_store", "functional_wait", "work_from_future"]
+    "default_group_initialized",
+    "default_store",
+    "functional_wait",
+    "work_from_future",
+]
 
 
 def default_group_initialized() -> bool:
