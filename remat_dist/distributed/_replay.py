@@ -339,6 +339,7 @@ class _LedgerObserver:
         extent.pop()
         if not replay:
             state._recorder = None
+            step, state._step = state._step, None  # holds the process group
             if error is None:
                 if not state.ledger.entries and not state.fsdp_stakes:
                     # at stake nowhere: its plan joins only the step's full plan
@@ -347,7 +348,7 @@ class _LedgerObserver:
                         if record.regions
                         else (record.name, state.mode, ())
                     )
-                    state._step.full.add(entry, _NO_GROUPS)
+                    step.full.add(entry, _NO_GROUPS)
                     return
                 by_stake = stakes_of(state)
                 state.stakes = tuple(sorted(by_stake))

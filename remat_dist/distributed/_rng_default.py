@@ -11,6 +11,7 @@ initialised accelerator's) in a single process. The hooks themselves are in
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,11 @@ class DefaultHooksCache:
     )
     single: dict[str, tuple[RecomputeStateHook, ...]] = field(default_factory=dict)
     gloo_world: Any = None
-    """The default group last found to be gloo only (a CPU run), so that each
-    checkpoint does not ask for the backend again."""
+    """A weak reference to the default group last found to be gloo only (a CPU
+    run), so that each checkpoint does not ask for the backend again. Weak: a
+    process group still referenced when the interpreter finalizes, after
+    ``destroy_process_group()``, makes gloo abort the process ("terminate called
+    without an active exception")."""
 
     def reset(self) -> None:
         self.provider.clear()
@@ -86,10 +90,11 @@ def _distributed_provider() -> tuple[RecomputeStateHook, ...]:
     # accelerator (the test harness, CPU launches). The hooks hold no per-call
     # state: reuse one set per device (resolved per call, so a set_device after
     # install is honoured).
-    if world is _CACHE.gloo_world:
+    cached = _CACHE.gloo_world
+    if cached is not None and cached() is world:
         device = _CPU
     elif dist.get_backend() == "gloo":
-        device, _CACHE.gloo_world = _CPU, world
+        device, _CACHE.gloo_world = _CPU, weakref.ref(world)
     else:
         device = rank_device()
     hooks = _CACHE.provider.get(device)

@@ -37,6 +37,7 @@ import atexit
 import hashlib
 import json
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +139,7 @@ class StepState:
     def __init__(self, world: Any, namespace: str) -> None:
         import torch.distributed as dist
 
-        self.world = world
+        self.world = weakref.ref(world)  # a group alive at exit aborts gloo
         self.namespace = namespace
         self.rank = dist.get_rank()
         self.store = _c10d.default_store()
@@ -147,8 +148,7 @@ class StepState:
         self.owed: _Task | None = None
         self.noting = False
         self.stats = StepStats()
-        self.full = PlanDigest()
-        """Every checkpoint since the last ``check_plan_consistency()``."""
+        self.full = PlanDigest()  # every checkpoint since check_plan_consistency()
         self.checks: dict[str, Any] = {}
         """Per group name: its ``check_plan_consistency`` store round (``_check``)."""
         # backward may run on the engine's device threads: one transition at a time
@@ -458,7 +458,7 @@ def current_step() -> StepState:
     destroyed and created again)."""
     world = _c10d.default_group()
     state = _PROCESS.state
-    if state is None or state.world is not world:
+    if state is None or state.world() is not world:
         if state is not None:
             state.close()
         state = _PROCESS.state = StepState(world, _PROCESS.namespace)
@@ -468,7 +468,7 @@ def current_step() -> StepState:
 def checkpoint_forward_starts() -> StepState:
     """:func:`current_step` at a checkpoint's forward: settles owed reports, stale hooks."""
     state = _PROCESS.state
-    if state is None or state.world is not _c10d.default_group():
+    if state is None or state.world() is not _c10d.default_group():
         state = current_step()
     if state.owed is not None or state.task is not None:
         state._settle_owed()
