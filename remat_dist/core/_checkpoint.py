@@ -23,7 +23,6 @@ calls in :mod:`~remat_dist.core._state_hooks`, options in
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,7 +42,7 @@ from remat_dist.core._hooks import (
     saved_tensors_hooks,
 )
 from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
-from remat_dist.core._packed import RECORDS_METADATA_KEY, _link_to_graph
+from remat_dist.core._packed import _link_to_graph
 from remat_dist.core._record import (
     _SEAMS,
     CheckpointPhase,
@@ -58,8 +57,6 @@ from remat_dist.core._types import CollectiveMode, RecomputeStateHook
 __all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_is_compiling = torch.compiler.is_compiling
 
 _DETERMINISM_CHECKS = ("none", "default", "values")
 
@@ -189,7 +186,7 @@ def checkpoint(
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            if _is_compiling():  # Dynamo cannot trace the contextvars below
+            if _compile.compiling():  # Dynamo cannot trace the contextvars below
                 return _compile.run_checkpoint(fn, name, hooks, frozen, args, kwargs)
             return _run_checkpoint(fn, name, hooks, frozen, args, kwargs)
 
@@ -235,8 +232,7 @@ def _run_checkpoint(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if hooks is None:
-        provider = _SEAMS.hooks_provider
-        hooks = () if provider is None else provider()
+        hooks = _record.default_state_hooks_for_checkpoint()
     record = CheckpointRecord(name, hooks, options)
     record.values_check = _fingerprint.values_check_enabled(options)
     user_hooks = options.saved_tensors_hooks
@@ -308,12 +304,7 @@ def _run_checkpoint(
             user_hooks.__exit__(None, None, None)
     if anchors:
         _replay_first(anchors.pop().grad_fn, out)
-    if type(out) is torch.Tensor:  # let reports find the record from the graph
-        node = out.grad_fn
-        if node is not None:
-            node.metadata.setdefault(RECORDS_METADATA_KEY, []).append(weakref.ref(record))
-    else:
-        _link_to_graph(record, out)
+    _link_to_graph(record, out)
     return out
 
 
