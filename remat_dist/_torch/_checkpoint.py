@@ -10,6 +10,7 @@ import torch.utils.checkpoint as _tc
 
 __all__ = [
     "METADATA_MODE",
+    "METADATA_MODE_PLAIN",
     "CheckpointFrame",
     "Holder",
     "StopRecomputationError",
@@ -35,11 +36,15 @@ pack hook calls the function registered under it (:func:`register_metadata_fn`)
 on every tensor it saves and keeps the results on its frame (``x_metadatas``),
 where it would otherwise call a no-op; remat_dist checks the replay itself."""
 
+METADATA_MODE_PLAIN = "remat_dist_plain"
+"""The mode whose function notes less (for checkpoints that save only plain
+tensors); see ``core/_standin.py``."""
 
-def register_metadata_fn(fn: Callable[[Any], Any]) -> None:
+
+def register_metadata_fn(fn: Callable[[Any], Any], mode: str = METADATA_MODE) -> None:
     """Make ``fn`` what torch's checkpoint calls, under ``no_grad``, on each tensor
-    its forward saves when ``determinism_check=METADATA_MODE``."""
-    _tc._allowed_determinism_checks_to_fns[METADATA_MODE] = fn
+    its forward saves when ``determinism_check=mode``."""
+    _tc._allowed_determinism_checks_to_fns[mode] = fn
 
 
 def frame_of_pack_hook(pack: Any) -> Any:

@@ -31,7 +31,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import METADATA_MODE, StopRecomputationError
+from remat_dist._torch._checkpoint import StopRecomputationError
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
@@ -183,12 +183,13 @@ def checkpoint(
                 f"callable, got {type(fn).__name__}."
             )
         name = region_name or _default_name(fn)
+        site = _standin.SaveSite()
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             if _compile.compiling():  # Dynamo cannot trace the contextvars below
                 return _compile.run_checkpoint(fn, name, hooks, frozen, args, kwargs)
-            return _run_checkpoint(fn, name, hooks, frozen, args, kwargs)
+            return _run_checkpoint(fn, name, hooks, frozen, args, kwargs, site)
 
         return run  # type: ignore[return-value]
 
@@ -209,9 +210,11 @@ def _run_checkpoint(
     options: CheckpointOptions,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    site: _standin.SaveSite,
 ) -> Any:
     """One call of a checkpointed function: refuse nesting, build its record, and
-    run it through torch's non-reentrant checkpoint with the two :class:`_Phase` s."""
+    run it through torch's non-reentrant checkpoint with the two :class:`_Phase` s
+    (``site``: what this call site's forwards saved before)."""
     record = frame_var.get()
     outer = record.name if record is not None else _compile.fallback_name()
     if outer is not None:
@@ -246,31 +249,22 @@ def _run_checkpoint(
         ]
     else:  # their report entries are taken when a report reads them
         record.note_inputs(args, kwargs)
-    forward_phase = _Phase(record, replay=False)
+    forward_phase = _Phase(record, replay=False, site=site)
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn
 
     anchors: list[Any] = []
+    if hooked:
 
-    def body(*a: Any) -> Any:
-        # a replay's saved tensors are checked (and a forward's fingerprinted, with
-        # the value check on) by a hook above torch's
-        tracker = (
-            _standin.Tracking(record)
-            if record.values_check or record.phase is not CheckpointPhase.FORWARD
-            else None
-        )
-        if tracker is not None:
-            tracker.__enter__()
-        try:
-            if hooked:  # replay packs it again first, filling the forward's holder
-                anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
-                if not record.replaying:
-                    anchors.append(anchor)
+        def body(*a: Any) -> Any:
+            # replay packs the anchor again first, filling the forward's holder
+            anchor = _ReplayAnchor.apply(torch.empty(0, requires_grad=True))
+            if not record.replaying:
+                anchors.append(anchor)
             return call(*a)
-        finally:
-            if tracker is not None:
-                tracker.__exit__()
+
+    else:
+        body = call
 
     if user_hooks is not None:
         user_hooks.__enter__()
@@ -288,7 +282,7 @@ def _run_checkpoint(
             preserve_rng_state=False,
             # torch notes each saved tensor's metadata for remat_dist, which
             # checks the replay itself (_replay_check, _fingerprint)
-            determinism_check=METADATA_MODE,
+            determinism_check=site.mode,
             context_fn=lambda: (forward_phase, replay_phase),
         )
     except BaseException:
@@ -357,12 +351,16 @@ class _Phase:
     ``retain_graph`` backward replays again).
     """
 
-    def __init__(self, record: CheckpointRecord, replay: bool) -> None:
+    def __init__(
+        self, record: CheckpointRecord, replay: bool, site: _standin.SaveSite | None = None
+    ) -> None:
         self.record = record
         self.replay = replay
+        self._site = site
         self._tokens: list[Any] = []
         self._outside: tuple[Any, ...] = ()
         self._forward_done = False
+        self._tracker: _standin.Tracking | None = None
 
     def __enter__(self) -> None:
         record = self.record
@@ -384,6 +382,11 @@ class _Phase:
                 record.entry_state = _snapshot(record, "checkpoint entry")
             for method in _SEAMS.starts[record.values_check]:
                 method(record, self.replay)
+            # innermost: a replay's saved tensors are checked (and a forward's
+            # fingerprinted, with the value check on) by a hook above torch's
+            if self.replay or record.values_check:
+                tracker = self._tracker = _standin.Tracking(record)
+                tracker.__enter__()
         except BaseException:
             if self.replay:
                 record.phase = CheckpointPhase.REPLAY_FAILED
@@ -397,6 +400,9 @@ class _Phase:
         frame_token, inputs_token = self._tokens.pop()
         absorbed = False
         raising: BaseException | None = None
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__()
         try:
             if self.replay:
                 if exc_type is StopRecomputationError:
@@ -426,6 +432,8 @@ class _Phase:
                     record.release_persisted()
             else:
                 record.phase = CheckpointPhase.WAITING
+                if exc is None and self._site is not None:
+                    self._site.learn(record.saved_meta)
                 for r in record.regions:
                     r.outputs = []
                     r.output_hooks = r.output_context = None

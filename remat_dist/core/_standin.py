@@ -12,19 +12,26 @@ absorbs an error must make sure the step fails later.
 The stand-ins need each saved tensor's metadata, which torch's own checkpoint pack
 hook notes on forward through the metadata function remat_dist registers with it
 (:func:`saved_meta`, kept in ``record.saved_meta``: no hook of ours runs per saved
-tensor on forward). On replay a pack hook pushed just above torch's counts the
+tensor on forward). A checkpoint whose last forward saved only plain tensors notes
+less, in one C call per tensor (:class:`SaveSite`): a tensor subclass such as a
+DTensor needs its structure noted for its stand-in, a plain tensor only its shape,
+dtype and device. On replay a pack hook pushed just above torch's counts the
 tensors the replay recomputes and checks each against the forward's
 (``_replay_check``, for every checkpoint).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat_dist._errors import RematError
 from remat_dist._torch import _autograd
 from remat_dist._torch._checkpoint import (
+    METADATA_MODE,
+    METADATA_MODE_PLAIN,
     StopRecomputationError,
     frame_of_pack_hook,
     register_metadata_fn,
@@ -36,12 +43,14 @@ if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
 
 __all__ = [
+    "SaveSite",
     "Tracking",
     "complete_with_stand_ins",
     "is_tracker",
     "note_forward",
     "pack_spec",
     "saved_meta",
+    "saved_meta_plain",
 ]
 
 _top_hooks = _autograd.top_saved_tensors_hooks
@@ -50,6 +59,8 @@ _pop_hooks = _autograd.pop_saved_tensors_hooks
 _OPAQUE = object()
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_CLASS = operator.itemgetter(3)
 
 
 def pack_spec(t: Any) -> tuple[Any, ...]:
@@ -90,7 +101,36 @@ def saved_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.shape, t.dtype, t.device, None, pack_spec(t))
 
 
+saved_meta_plain = operator.attrgetter("shape", "dtype", "device", "__class__")
+"""What :data:`METADATA_MODE_PLAIN` notes: shape, dtype, device and class, in one C
+call (a stand-in is then a contiguous zero tensor)."""
+
 register_metadata_fn(saved_meta)
+register_metadata_fn(saved_meta_plain, METADATA_MODE_PLAIN)
+
+
+class SaveSite:
+    """What the forwards of one checkpoint call site (a ``checkpoint(...)(fn)``)
+    saved: whose metadata function its next forward hands torch (``mode``).
+
+    Full metadata (:func:`saved_meta`) until a forward saved only plain strided
+    tensors, then the plain one (:data:`saved_meta_plain`) until a forward saves a
+    tensor subclass again. A forward that newly saves a subclass under the plain
+    mode has no stand-in for it: a failed replay of that forward raises instead
+    of completing (:func:`complete_with_stand_ins`)."""
+
+    __slots__ = ("mode",)
+
+    def __init__(self) -> None:
+        self.mode = METADATA_MODE
+
+    def learn(self, metas: list[tuple[Any, ...]]) -> None:
+        """Choose the next forward's mode from what this one saved."""
+        if self.mode is METADATA_MODE:
+            if all(m[4] is None for m in metas):
+                self.mode = METADATA_MODE_PLAIN
+        elif not _PLAIN_TYPES.issuperset(map(_CLASS, metas)):
+            self.mode = METADATA_MODE
 
 
 def note_forward(record: CheckpointRecord) -> None:
@@ -156,7 +196,20 @@ class Tracking:
             _pop_hooks()
 
 
-def _stand_in(meta: tuple[Any, ...]) -> Any:
+def _stand_in(record: CheckpointRecord, index: int, meta: tuple[Any, ...]) -> Any:
+    if len(meta) == 4:  # METADATA_MODE_PLAIN
+        shape, dtype, device, cls = meta
+        if cls in _PLAIN_TYPES:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        raise RematError(
+            f"remat_dist: cannot complete the failed replay of checkpoint "
+            f"{record.name!r}: its forward saved a {cls.__name__} (saved tensor "
+            f"#{index}) where its earlier forwards saved only plain tensors, so no "
+            "stand-in can be built for it. This rank raises the replay's error "
+            "instead of completing the backward with its peers (they fail at the "
+            "bound). Fix: make the checkpoint save the same kinds of tensors on "
+            "every call."
+        )
     shape, dtype, device, stride, spec = meta[:5]
     if spec is not None:
         return make_stand_in(spec)
@@ -172,7 +225,7 @@ def complete_with_stand_ins(record: CheckpointRecord) -> None:
     with torch.no_grad():
         try:
             for meta in record.saved_meta[record.replay_packs :]:
-                hooks[0](_stand_in(meta))
+                hooks[0](_stand_in(record, record.replay_packs, meta))
                 record.replay_packs += 1
         except StopRecomputationError:
             pass
