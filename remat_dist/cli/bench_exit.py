@@ -48,8 +48,10 @@ _MARKERS = {
 }
 
 
-def _worker(layout: str, steps: int) -> None:
-    """One rank of the ordinary script."""
+def _worker(layout: str, steps: int, checkpoint: str = "remat") -> None:
+    """One rank of the ordinary script; ``checkpoint="torch"`` puts
+    ``torch.utils.checkpoint`` in each block instead of remat_dist (the baseline:
+    the same script without remat_dist)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,7 +64,14 @@ def _worker(layout: str, steps: int) -> None:
     world = dist.get_world_size()
     config = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2)
     model = GPT(config)
-    remat.apply_remat(model, blocks=Block, policy="full")
+    if checkpoint == "torch":
+        import torch.utils.checkpoint as tuc
+
+        from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
+
+        _torch_checkpoint_blocks(model, tuc)
+    else:
+        remat.apply_remat(model, blocks=Block, policy="full")
     if layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
@@ -116,7 +125,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _one_run(layout: str, steps: int, timeout: float) -> dict[str, Any]:
+def _one_run(layout: str, steps: int, timeout: float, checkpoint: str) -> dict[str, Any]:
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -127,7 +136,7 @@ def _one_run(layout: str, steps: int, timeout: float) -> dict[str, Any]:
         )
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "remat_dist.cli.bench_exit", "--worker",
-             "--layout", layout, "--steps", str(steps)],
+             "--layout", layout, "--steps", str(steps), "--checkpoint", checkpoint],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ))
     ranks = []
@@ -147,14 +156,17 @@ def _one_run(layout: str, steps: int, timeout: float) -> dict[str, Any]:
 
 
 def run_exits(runs: int, *, layout: str = "tp", steps: int = 3, parallel: int = 2,
-              timeout: float = 120.0) -> dict[str, Any]:
+              timeout: float = 120.0, checkpoint: str = "remat") -> dict[str, Any]:
     """``runs`` two-rank runs of the script; counts per failure kind."""
     t0 = time.monotonic()
     with ThreadPoolExecutor(parallel) as pool:
-        results = list(pool.map(lambda _: _one_run(layout, steps, timeout), range(runs)))
+        results = list(pool.map(
+            lambda _: _one_run(layout, steps, timeout, checkpoint), range(runs)
+        ))
     exits = [r for res in results for r in res["ranks"]]
     return {
         "layout": layout,
+        "checkpoint": checkpoint,
         "runs": runs,
         "worker_exits": len(exits),
         "failed_runs": sum(not res["ok"] for res in results),
@@ -168,8 +180,10 @@ def run_exits(runs: int, *, layout: str = "tp", steps: int = 3, parallel: int = 
 def format_exits(result: dict[str, Any]) -> str:
     keys = ["runs", "worker_exits", "failed_runs", "nonzero_exits",
             *(f"{k}_exits" for k in _MARKERS)]
-    head = f"{'layout':<7}" + "".join(f" {k:>16}" for k in keys)
-    row = f"{result['layout']:<7}" + "".join(f" {result[k]:>16}" for k in keys)
+    head = f"{'layout':<7} {'checkpoint':<10}" + "".join(f" {k:>16}" for k in keys)
+    row = f"{result['layout']:<7} {result.get('checkpoint', 'remat'):<10}" + "".join(
+        f" {result[k]:>16}" for k in keys
+    )
     return f"{head}\n{row}"
 
 
@@ -181,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=int, nargs="?", default=50)
     parser.add_argument("--layout", choices=("tp", "fsdp", "forced"), default="tp")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--checkpoint", choices=("remat", "torch"), default="remat",
+        help="the blocks' checkpoint: remat_dist's, or torch.utils.checkpoint (baseline)",
+    )
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -189,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.layout == "forced":
             _worker_forced()
         else:
-            _worker(args.layout, args.steps)
+            _worker(args.layout, args.steps, args.checkpoint)
         return 0
-    result = run_exits(args.runs, layout=args.layout, steps=args.steps, parallel=args.parallel)
+    result = run_exits(
+        args.runs, layout=args.layout, steps=args.steps, parallel=args.parallel,
+        checkpoint=args.checkpoint,
+    )
     print(format_exits(result))
     for failure in result["failures"]:
         for rank, r in enumerate(failure["ranks"]):
