@@ -125,7 +125,6 @@ class Counter:
                 owner = getattr(pack, "__self__", None)
                 self._outer = owner if isinstance(owner, saved_tensors_hooks) else (pack, unpack)
         self._hooks = saved_tensors_hooks(self._pack, self._unpack)
-        self._route: ObserverExtent | None = None
 
     def _pack(self, t: torch.Tensor) -> Any:
         local = plain(t)
@@ -161,18 +160,12 @@ class Counter:
         return sum(self.activations.values())
 
     def __enter__(self) -> Counter:
+        # the step it counts issues FSDP2's and TP's collectives under these
+        # hooks: remat_dist.saved_tensors_hooks issue them without the hooks
         self._hooks.__enter__()
-        # The step it counts issues FSDP2's and TP's collectives under these Python
-        # hooks: through the interception kernels, which issue them with the hooks
-        # stack emptied, so no backend work holds a Python object (one that a
-        # gloo thread needs the GIL for, at interpreter exit: an abort).
-        self._route = ObserverExtent(None)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._route is not None:
-            self._route.pop()
-            self._route = None
         self._hooks.__exit__(*exc)
 
 
@@ -438,7 +431,7 @@ def _time_block(
             sync()
             t0 = clock()
             # innermost identity hooks: the model's counter must not see this pass
-            route = ObserverExtent(None)  # as in Counter: no hook in backend work
+            route = ObserverExtent(None)  # no Python hook in backend work (_issue_bare)
             try:
                 with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                     out = call_block(module, *args, **kwargs)

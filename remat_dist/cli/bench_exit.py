@@ -12,8 +12,8 @@ end: no final barrier, no ``os._exit``. The ranks are plain processes with
 finishes first takes the store away from one still in its last backward.
 
 Per run it records each rank's exit code and whether its stderr holds
-"terminate called" (a C++ abort at exit) or a ``DistNetworkError`` / connection
-error raised out of ``loss.backward()``.
+"terminate called" or "exception not rethrown" (the two C++ aborts at exit) or
+a ``DistNetworkError`` / connection error raised out of ``loss.backward()``.
 
 ``--layout forced`` runs instead the timing that makes the rare abort at exit
 certain: rank 0 issues an asynchronous all-reduce inside a checkpoint's extent
@@ -23,7 +23,11 @@ thread completes it during rank 0's interpreter shutdown; a C-level ``atexit``
 callback holds the GIL for a moment to make the straddle deterministic. Before
 ``remat_dist.distributed._intercept._issue_bare`` the work captured the hooks
 (Python objects) and its thread took the GIL to free them: "terminate called
-without an active exception" in most runs.
+without an active exception" in most runs. ``--layout forced-hooks`` issues the
+all-reduce under ``remat_dist.saved_tensors_hooks`` outside any checkpoint (an
+offloader or ``SavedBytesCounter`` around a forward), ``--layout forced-torch``
+under torch's own ``saved_tensors_hooks``, which remat_dist does not see: the
+control, where the abort is torch's.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = ["main", "run_exits"]
 
 _MARKERS = {
     "terminate": "terminate called",
+    "not_rethrown": "exception not rethrown",
     "network": "DistNetworkError",
     "connection": "Connection reset",
     "broken_pipe": "Broken pipe",
@@ -88,9 +93,10 @@ def _worker(layout: str, steps: int, checkpoint: str = "remat") -> None:
     dist.destroy_process_group()
 
 
-def _worker_forced() -> None:
+def _worker_forced(layout: str) -> None:
     """One rank of the forced-timing run (see the module docstring)."""
     import atexit
+    import contextlib
     import ctypes
 
     atexit.register(sum, range(30_000_000))  # registered first: runs last, holds the GIL
@@ -98,11 +104,15 @@ def _worker_forced() -> None:
     import torch
     import torch.distributed as dist
 
+    import remat_dist as remat
     from remat_dist.distributed._collectives import observe_collectives
 
     class PassThrough:
         def on_collective(self, call: Any, issue: Any) -> Any:
             return issue()
+
+    def identity(x: Any) -> Any:
+        return x
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -110,9 +120,15 @@ def _worker_forced() -> None:
     dist.barrier()
     if rank == 1:
         time.sleep(0.3)  # rank 0 is in its interpreter shutdown by then
-    with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
-        with observe_collectives(PassThrough()):
-            work = dist.all_reduce(t, async_op=True)
+    with contextlib.ExitStack() as extent:
+        if layout == "forced":  # a checkpoint's extent: torch's hooks, observed
+            extent.enter_context(torch.autograd.graph.saved_tensors_hooks(identity, identity))
+            extent.enter_context(observe_collectives(PassThrough()))
+        elif layout == "forced-hooks":  # the user's remat_dist hooks, no checkpoint
+            extent.enter_context(remat.saved_tensors_hooks(identity, identity))
+        else:  # "forced-torch": torch's own hooks, which remat_dist does not see
+            extent.enter_context(torch.autograd.graph.saved_tensors_hooks(identity, identity))
+        work = dist.all_reduce(t, async_op=True)
     if rank == 1:
         work.wait()
     for obj in (t, work):  # never freed: only the work's thread state can need the GIL
@@ -193,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Run an ordinary 2-rank script N times; count unclean exits.",
     )
     parser.add_argument("runs", type=int, nargs="?", default=50)
-    parser.add_argument("--layout", choices=("tp", "fsdp", "forced"), default="tp")
+    parser.add_argument(
+        "--layout", choices=("tp", "fsdp", "forced", "forced-hooks", "forced-torch"),
+        default="tp",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--checkpoint", choices=("remat", "torch"), default="remat",
@@ -204,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        if args.layout == "forced":
-            _worker_forced()
+        if args.layout.startswith("forced"):
+            _worker_forced(args.layout)
         else:
             _worker(args.layout, args.steps, args.checkpoint)
         return 0

@@ -13,6 +13,7 @@ rule enforces it; ``docs/extending.md`` documents each piece):
 * the option seam: :func:`declare_option`, :class:`OptionSpec`,
   :class:`CheckpointOptions`;
 * the default state hooks: :func:`set_default_state_hooks_provider`;
+* the extent of saved-tensor hooks: :func:`set_saved_hooks_extent`;
 * the running frame: :func:`current_frame`, :func:`active_scope_depth`;
 * what autograd holds: :func:`classify_packed`, :class:`PackedKind`,
   :func:`records_of_node`, :func:`live_scope_records`;
@@ -49,6 +50,7 @@ from remat_dist.core._record import (
     live_records,
     register_observer,
     set_default_state_hooks_provider,
+    set_saved_hooks_extent,
 )
 from remat_dist.core._region import name_scope as name_scope
 from remat_dist.core._region import recompute_needs_tensor as recompute_needs_tensor
@@ -91,6 +93,7 @@ __all__ = [
     "records_of_node",
     "register_observer",
     "set_default_state_hooks_provider",
+    "set_saved_hooks_extent",
     "storage_key",
     "storage_nbytes",
     "values_check_enabled",

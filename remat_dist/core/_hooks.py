@@ -18,6 +18,7 @@ import torch
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
+from remat_dist.core._record import _SEAMS
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._storage import storage_key
 from remat_dist.core._types import SavedTensorInfo, SavedTensorKind
@@ -191,7 +192,7 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
 
     def __enter__(self) -> saved_tensors_hooks:
         token = hooks_var.set(hooks_var.get() + (self,))
-        torch_hooks = None
+        torch_hooks = extent = None
         if frame_var.get() is None:
             # Inside a checkpoint torch's checkpoint hook must stay innermost (what
             # is not in a save region is recomputed, not packed).
@@ -199,11 +200,16 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
                 self._pack_outer, self.unpack_with
             )
             torch_hooks.__enter__()
-        self._stack.append((token, torch_hooks))
+            opener = _SEAMS.hooks_extent
+            if opener is not None:
+                extent = opener()
+        self._stack.append((token, torch_hooks, extent))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        token, torch_hooks = self._stack.pop()
+        token, torch_hooks, extent = self._stack.pop()
+        if extent is not None:
+            extent.pop()
         if torch_hooks is not None:
             torch_hooks.__exit__(*exc)
         hooks_var.reset(token)

@@ -399,6 +399,9 @@ class _Seams:
 
     observers: list[Any] = field(default_factory=list)
     hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
+    hooks_extent: Callable[[], Any] | None = None
+    """Opened while a ``saved_tensors_hooks`` pair is installed as torch's hooks
+    (:func:`set_saved_hooks_extent`); returns an object with ``pop()``."""
     starts: tuple[tuple[Callable[..., Any], ...], ...] = ((), ())
     """The observers' ``on_checkpoint_start`` methods in order, without and with
     the ``values_check_only`` ones (indexed by ``record.values_check``; called
@@ -468,6 +471,19 @@ def set_default_state_hooks_provider(
     process group exists; the core alone uses none (torch_remat's behaviour).
     """
     _SEAMS.hooks_provider = provider
+
+
+def set_saved_hooks_extent(opener: Callable[[], Any] | None) -> None:
+    """Set what runs around the extent of a :class:`saved_tensors_hooks` pair that
+    is installed as torch's hooks (outside a checkpoint): ``opener()`` at its
+    ``__enter__``, and ``pop()`` of what it returned at its ``__exit__``.
+
+    The distributed layer installs one that issues the extent's collectives
+    without the saved-tensor hooks: a backend's work captures the caller's thread
+    state, and Python hooks in it make the work's thread need the GIL (an abort
+    when that happens at interpreter exit).
+    """
+    _SEAMS.hooks_extent = opener
 
 
 def default_state_hooks_for_checkpoint() -> tuple[RecomputeStateHook, ...]:

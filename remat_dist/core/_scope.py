@@ -61,6 +61,7 @@ from remat_dist._torch._tensor import (
     push_dispatch_mode,
 )
 from remat_dist.core import _state
+from remat_dist.core._record import _SEAMS
 from remat_dist.core._scope_hooks import PackHooks, is_our_hook
 from remat_dist.core._scope_output import ScopeOutput
 from remat_dist.core._scope_record import ScopeRecord, live_scope_records
@@ -155,6 +156,7 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
         self._token: Token[Active | None] | None = None
         self._mode: _RecordMode | None = None
         self._hooks: PackHooks | None = None
+        self._extent: Any = None
 
     def kept_bytes(self) -> int:
         """``self.record.kept_bytes()``, 0 when the scope recorded nothing."""
@@ -198,6 +200,9 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
         if not (is_our_hook(top) and top[0].__self__.record is record):
             self._hooks = PackHooks(record, None, top)
             _push_hooks(self._hooks.pack, PackHooks.unpack)
+            opener = _SEAMS.hooks_extent  # collectives go out without the hooks
+            if opener is not None:
+                self._extent = opener()
         self.record = record
         self._token = ACTIVE.set(Active(record, depth, thread))
         if self._mode is not None:
@@ -214,6 +219,9 @@ class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
             return
         token, self._token = self._token, None
         misplaced = []
+        extent, self._extent = self._extent, None
+        if extent is not None:
+            extent.pop()
         try:
             if self._mode is not None and not _remove_mode(self._mode):
                 misplaced.append("a TorchDispatchMode")

@@ -15,7 +15,10 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   collective's input and saved tensor, reported among the ranks at stake
   (``_values``);
 * the default state hooks: ``checkpoint`` keeps this rank's RNG aligned on replay
-  without user code (``default_state_hooks``).
+  without user code (``default_state_hooks``);
+* collectives issued under ``remat_dist.saved_tensors_hooks`` outside a
+  checkpoint go out without those hooks in the backend's work (no Python object
+  for its thread to free at interpreter exit).
 
 Without an initialised process group none of it costs anything. The user API
 (``set_replay_timeout``, ``mark_step``, ``step_stats``, the RNG hooks, ...) is
@@ -23,8 +26,11 @@ published at ``remat_dist``; ``__all__`` here lists what the layers and side
 packages above use.
 """
 
+import functools
+
 from remat_dist._state import register_state
 from remat_dist._torch import _fsdp
+from remat_dist.core import set_saved_hooks_extent
 from remat_dist.distributed import (
     _options,  # noqa: F401  (declares collectives=)
     _values,  # noqa: F401  (the value check's observer)
@@ -32,6 +38,7 @@ from remat_dist.distributed import (
 from remat_dist.distributed._check import (
     check_plan_consistency as check_plan_consistency,  # published at remat_dist
 )
+from remat_dist.distributed._intercept import ObserverExtent
 from remat_dist.distributed._objects import all_gather_objects
 from remat_dist.distributed._rank_device import rank_device
 from remat_dist.distributed._ready import dist_ready
@@ -59,6 +66,9 @@ from remat_dist.distributed._step import (
 )
 
 install_default_provider()
+# collectives issued while remat_dist.saved_tensors_hooks are torch's hooks go
+# out without them (see _intercept._issue_bare)
+set_saved_hooks_extent(functools.partial(ObserverExtent, None))
 
 
 register_state("distributed.fsdp_tracking", _fsdp.STATE)
