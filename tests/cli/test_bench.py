@@ -90,3 +90,24 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
     for row in rows.values():
         lo, hi = row["x_torch_ci95"]
         assert lo <= row["x_torch"] <= hi
+
+
+@pytest.mark.slow
+def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path):
+    out = tmp_path / "tp.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_tp_overhead.py"), "--iters", "3",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and set(result["rows"]) == {"cpu", "wall"}
+    counts = result["collectives_per_step"]
+    # the replay re-issues the forward's collectives: the same ones as torch's
+    assert counts["remat replay"] == counts["torch.utils.checkpoint"]
+    assert counts["remat replay"]["backward"] > counts["remat replay"]["forward"] > 0
+    for row in result["rows"].values():
+        lo, hi = row["x_torch_ci95"]
+        assert lo <= row["x_torch"] <= hi
