@@ -44,7 +44,10 @@ def _rank_main(out_path: str, iters: int) -> None:
     import remat_dist as remat
     from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
     from remat_dist.distributed import all_gather_objects
-    from remat_dist.distributed._collectives import RecordCollectives, observe_collectives
+    from remat_dist.distributed._collectives import (
+        RecordCollectives,
+        observe_collectives,
+    )
     from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     torch.set_num_threads(1)
