@@ -173,14 +173,30 @@ class Tracking:
             record.replay_packs = 0
             forward = len(meta)
 
-            def pack(t: torch.Tensor) -> Any:
-                index = record.replay_packs
-                if index < forward:  # more than forward: torch's own error says so
-                    want = meta[index]
-                    if t.shape != want[0] or t.dtype != want[1] or t.device != want[2]:
+            if forward and len(meta[0]) == 4:  # METADATA_MODE_PLAIN: one C call
+                noted = saved_meta_plain
+
+                def pack(t: torch.Tensor) -> Any:
+                    index = record.replay_packs
+                    if index < forward and noted(t) != meta[index]:
                         check_replayed(record, index, t)
-                record.replay_packs = index + 1
-                return pack_below(t)
+                    record.replay_packs = index + 1
+                    return pack_below(t)
+
+            else:
+
+                def pack(t: torch.Tensor) -> Any:
+                    index = record.replay_packs
+                    if index < forward:  # more than forward: torch's own error says so
+                        want = meta[index]
+                        if (
+                            t.shape != want[0]
+                            or t.dtype != want[1]
+                            or t.device != want[2]
+                        ):
+                            check_replayed(record, index, t)
+                    record.replay_packs = index + 1
+                    return pack_below(t)
 
         else:
             pack = pack_below

@@ -70,6 +70,29 @@ def test_a_cache_appended_to_on_replay_raises_a_clear_error():
     assert isinstance(info.value, tuc.CheckpointError)  # what torch raises here
 
 
+def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_difference():
+    """The second call of a call site notes its saves' metadata in short form (its
+    first forward saved only plain tensors); its replay is checked as strictly."""
+    torch.manual_seed(0)
+    block = Block()
+    run = remat.checkpoint(region_name="layers.0")(block)
+    out = run(_x())
+    block.attention.cache.clear()  # the first replay sees what its forward saw
+    out.sum().backward()
+    block.attention.cache.clear()
+    out = run(_x())
+    with pytest.raises(remat.ReplayMismatchError) as info:
+        out.sum().backward()
+    msg = str(info.value)
+    for fragment in (
+        "in region 'layers.0::attention' has another shape than on forward",
+        "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
+        "forward: shape (2, 8, 4), dtype torch.float32, device cpu",
+        "replay:  shape (2, 8, 8), dtype torch.float32, device cpu, made by",
+    ):
+        assert fragment in msg, (fragment, msg)
+
+
 class CacheLength:
     """A RecomputeStateHook that puts the cache back to its length at entry."""
 
