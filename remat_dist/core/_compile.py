@@ -112,9 +112,9 @@ _fallback: ContextVar[tuple[str, str, str | None] | None] = ContextVar(
 body runs eagerly (Dynamo fell back after a graph break in it), else None."""
 
 
-def compiling() -> bool:
-    """True while Dynamo traces (the entry points take this module's path)."""
-    return torch.compiler.is_compiling()
+compiling: Callable[[], bool] = torch.compiler.is_compiling
+"""True while Dynamo traces (the entry points take this module's path). torch's
+own function, not a wrapper: every checkpoint call asks it."""
 
 
 @assume_constant_result

@@ -220,7 +220,7 @@ class CheckpointRecord:
         self.regions: list[RegionRecord] = []
         self.state_hooks = tuple(state_hooks)
         self.entry_state: tuple[Any, ...] = ()
-        self._input_entries: list[SavedEntry] | None = []
+        self._input_entries: list[SavedEntry] | None = None
         self._inputs: list[tuple[int, Any]] = []
         self.options = options
         self.extensions: dict[str, Any] = {}

@@ -28,8 +28,8 @@ Without an initialised process group nothing is recorded and nothing is paid.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from remat_dist._errors import CollectiveReplayError
@@ -61,58 +61,100 @@ _NO_COLLECTIVES = CollectiveLedger()
 """The ledger of a forward that issued no collective of its own (shared, never
 appended to: :meth:`LedgerState.on_collective` makes a ledger first)."""
 
+_EMPTY_SET: frozenset[Any] = frozenset()
+_EMPTY_MAP: Mapping[Any, Any] = MappingProxyType({})
+_EMPTY_LIST: tuple[Any, ...] = ()
+
 LEDGER_KEY = "remat_dist.collectives"
 """``record.extensions`` key of a checkpoint's :class:`LedgerState`."""
 
 
-@dataclass(slots=True)
 class LedgerState:
     """What one checkpoint knows of its collectives (``record.extensions``), and
     the observer of its forward's collectives: FSDP2's own are counted and pass,
-    the rest are recorded in :attr:`ledger` (the recorder is made at the first)."""
+    the rest are recorded in :attr:`ledger` (the recorder is made at the first).
 
-    ledger: CollectiveLedger
-    mode: str | None
-    early_stop: bool = True
-    """Whether torch's checkpoint stops the replay at the last saved tensor."""
-    fsdp_collectives: int = 0
-    """FSDP2 collectives issued inside the forward (not in the ledger)."""
-    fsdp_stakes: set[tuple[int, ...]] = field(default_factory=set)
-    """The ranks of the groups of those FSDP2 collectives (the checkpoint contains
-    an FSDP unit: FSDP's group is at stake too)."""
-    stakes: tuple[tuple[int, ...], ...] = ()
-    """The ranks of every group this checkpoint's replay is at stake on (set at
-    the forward's end)."""
-    replays: list[dict[str, int]] = field(default_factory=list)
-    """Per replay: collectives ``issued`` and ``served`` (and FSDP2's)."""
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Save region index -> ledger positions ``[start, end)`` it issued on forward
-    (skipped on replay together with the region)."""
-    _extent: ObserverExtent | None = None
-    """The observer routing this checkpoint's collectives while its forward or a
-    replay runs: pushed by ``on_checkpoint_start``, popped by
-    ``on_checkpoint_end`` (the core calls both, the end also when it raises)."""
-    _observer: Any = None
-    _recorder: RecordCollectives | None = None
-    _step: Any = None
-    """The step state its forward started in (``_step.StepState``)."""
-    _packs: Callable[[], int] | None = None
-    """How many tensors the checkpoint has saved so far (stamped on entries)."""
-    keep_outputs: bool = False
-    """Whether the forward's collectives now keep their outputs (``"save"``)."""
-    _starts: dict[int, int] = field(default_factory=dict)
-    _keep: list[bool] = field(default_factory=list)
+    One is made per checkpoint call, and most forwards issue no collective of
+    their own: the containers below start as shared empty ones and are made when
+    first written.
+
+    Attributes:
+        ledger: the forward's collectives (a shared empty ledger until the first).
+        mode: the checkpoint's ``collectives`` option (None: the default).
+        early_stop: whether torch's checkpoint stops the replay at the last saved
+            tensor.
+        fsdp_collectives: FSDP2 collectives issued inside the forward (not in the
+            ledger).
+        fsdp_stakes: the ranks of the groups of those FSDP2 collectives (the
+            checkpoint contains an FSDP unit: FSDP's group is at stake too).
+        stakes: the ranks of every group this checkpoint's replay is at stake on
+            (set at the forward's end).
+        replays: per replay, collectives ``issued`` and ``served`` (and FSDP2's).
+        spans: save region index -> ledger positions ``[start, end)`` it issued on
+            forward (skipped on replay together with the region).
+        keep_outputs: whether the forward's collectives now keep their outputs
+            (``"save"``).
+    """
+
+    __slots__ = (
+        "ledger",
+        "mode",
+        "early_stop",
+        "fsdp_collectives",
+        "fsdp_stakes",
+        "stakes",
+        "replays",
+        "spans",
+        "keep_outputs",
+        "_extent",
+        "_observer",
+        "_recorder",
+        "_step",
+        "_meta",
+        "_starts",
+        "_keep",
+    )
+
+    def __init__(
+        self, ledger: CollectiveLedger, mode: str | None, early_stop: bool = True
+    ) -> None:
+        self.ledger = ledger
+        self.mode = mode
+        self.early_stop = early_stop
+        self.fsdp_collectives = 0
+        self.fsdp_stakes: frozenset[tuple[int, ...]] | set[tuple[int, ...]] = _EMPTY_SET
+        self.stakes: tuple[tuple[int, ...], ...] = ()
+        self.replays: list[dict[str, int]] = _EMPTY_LIST  # type: ignore[assignment]
+        self.spans: dict[int, tuple[int, int]] = _EMPTY_MAP  # type: ignore[assignment]
+        self.keep_outputs = mode == "save"
+        self._extent: ObserverExtent | None = None
+        """The observer routing this checkpoint's collectives while its forward or
+        a replay runs: pushed by ``on_checkpoint_start``, popped by
+        ``on_checkpoint_end`` (the core calls both, the end also when it raises)."""
+        self._observer: Any = None
+        self._recorder: RecordCollectives | None = None
+        self._step: Any = None
+        """The step state its forward started in (``_step.StepState``)."""
+        self._meta: Sequence[Any] = _EMPTY_LIST
+        """The checkpoint's saved-tensor metadata: its length is how many tensors
+        it has saved so far (stamped on entries)."""
+        self._starts: dict[int, int] = _EMPTY_MAP  # type: ignore[assignment]
+        self._keep: list[bool] = _EMPTY_LIST  # type: ignore[assignment]
 
     def on_collective(self, call: CollectiveCall, issue: Callable[[], Any]) -> Any:
         if issued_by_fsdp():
             self.fsdp_collectives += 1
+            if self.fsdp_stakes is _EMPTY_SET:
+                self.fsdp_stakes = set()
             self.fsdp_stakes.add(call.group.ranks)
             return issue()
         recorder = self._recorder
         if recorder is None:
             if self.ledger is _NO_COLLECTIVES:
                 self.ledger = CollectiveLedger()
-            recorder = self._recorder = RecordCollectives(self.ledger, packs=self._packs)
+            recorder = self._recorder = RecordCollectives(
+                self.ledger, packs=self._meta.__len__
+            )
         recorder.keep_outputs = self.keep_outputs
         return recorder.on_collective(call, issue)
 
@@ -247,11 +289,13 @@ class _LedgerObserver:
         if not dist_ready():
             return
         if not replay:
-            mode = record.options.extensions.get("collectives")
             # the ledger is made at the first collective (most forwards issue none)
-            state = LedgerState(_NO_COLLECTIVES, mode, early_stop_enabled())
-            state.keep_outputs = mode == "save"
-            state._packs = record.saved_meta.__len__
+            state = LedgerState(
+                _NO_COLLECTIVES,
+                record.options.extensions.get("collectives"),
+                early_stop_enabled(),
+            )
+            state._meta = record.saved_meta
             state._step = _step.checkpoint_forward_starts()
             state._extent = ObserverExtent(state, checked=True)
             record.extensions[LEDGER_KEY] = state
@@ -260,6 +304,8 @@ class _LedgerObserver:
         if state is None:
             return
         counts = {"issued": 0, "served": 0, "fsdp": 0}
+        if state.replays is _EMPTY_LIST:
+            state.replays = []
         state.replays.append(counts)
         if not state.ledger.entries and not state.stakes:
             # its forward issued no collective but FSDP2's own outside any FSDP
@@ -292,9 +338,13 @@ class _LedgerObserver:
         if state is None or state._extent is None or replay:
             return
         if region.is_save:
+            if state._starts is _EMPTY_MAP:
+                state._starts = {}
             state._starts[region.index] = len(state.ledger)
         mode = region.options.get("collectives")
         if mode is not None:
+            if state._keep is _EMPTY_LIST:
+                state._keep = []
             state._keep.append(state.keep_outputs)
             state.keep_outputs = mode == "save"
 
@@ -304,8 +354,10 @@ class _LedgerObserver:
         state = None if record is None else ledger_of(record)
         if state is None or state._extent is None or replay:
             return
-        start = state._starts.pop(region.index, None)
+        start = state._starts.pop(region.index, None) if state._starts else None
         if start is not None and len(state.ledger) > start:
+            if state.spans is _EMPTY_MAP:
+                state.spans = {}
             state.spans[region.index] = (start, len(state.ledger))
         if region.options.get("collectives") is not None:
             state.keep_outputs = state._keep.pop()
