@@ -41,22 +41,33 @@ def _encoded(entry: tuple[Any, ...]) -> bytes:
     return json.dumps(entry, separators=(",", ":")).encode()
 
 
-class PlanDigest:
-    """A running digest of plan entries (what one agreement compares)."""
+_BATCH = 256
+"""Plan entries whose encodings are hashed together (see :class:`PlanDigest`)."""
 
-    __slots__ = ("_hasher", "_groups", "count", "head")
+
+class PlanDigest:
+    """A running digest of plan entries (what one agreement compares).
+
+    Every checkpoint forward adds an entry, so adding one only keeps its encoding;
+    they are hashed :data:`_BATCH` at a time and when the value is read (a hash of
+    the concatenation, the same digest as hashing them one by one)."""
+
+    __slots__ = ("_hasher", "_unhashed", "_groups", "count", "head")
 
     def __init__(self) -> None:
         self._hasher = hashlib.sha256()
+        self._unhashed: list[bytes] = []
         self._groups: dict[str, Any] = {}
         self.count = 0
         self.head: list[Any] = []
 
     def add(self, entry: Sequence[Any], group_fps: dict[str, str]) -> None:
-        encoded = (
+        unhashed = self._unhashed
+        unhashed.append(
             _encoded(entry) if isinstance(entry, tuple) else _encoded(_frozen(entry))
         )
-        self._hasher.update(encoded)
+        if len(unhashed) >= _BATCH:
+            self._hash_unhashed()
         for key, fp in group_fps.items():
             h = self._groups.get(key)
             if h is None:
@@ -66,8 +77,14 @@ class PlanDigest:
         if len(self.head) < HEAD_ENTRIES:
             self.head.append([*entry, group_fps])
 
+    def _hash_unhashed(self) -> None:
+        self._hasher.update(b"".join(self._unhashed))
+        self._unhashed.clear()
+
     def value(self) -> str:
         """The short string every rank must have equal."""
+        if self._unhashed:
+            self._hash_unhashed()
         return json.dumps(
             {
                 "p": f"{self._hasher.hexdigest()[:16]}:{self.count}",
