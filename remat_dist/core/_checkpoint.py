@@ -366,11 +366,11 @@ class _Phase:
         record = self.record
         self._tokens.append((frame_var.set(record), inputs_of_var.set(None)))
         if self.replay:
+            # a backward inside the forward replays a forward still running
+            self._forward_done = record.phase is not CheckpointPhase.FORWARD
             record.phase = CheckpointPhase.REPLAYING
         try:
             if self.replay:
-                # a backward inside the forward replays a forward still running
-                self._forward_done = record.phase is not CheckpointPhase.FORWARD
                 record._cursor = 0
                 record.replay_count += 1
                 # Like torch's fork_rng: replay must not disturb the state that the
