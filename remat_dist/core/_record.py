@@ -259,7 +259,6 @@ class CheckpointRecord:
             for i, t in enumerate((*args, *kwargs.values()) if kwargs else args)
             if isinstance(t, _Tensor)
         ]
-        self._input_entries = None
 
     @property
     def replaying(self) -> bool:

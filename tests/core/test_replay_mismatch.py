@@ -48,25 +48,36 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
 
 
+_LONGER_CACHE = (
+    "in region 'layers.0::attention' has another shape than on forward",
+    "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
+    "forward: shape (2, 8, 4), dtype torch.float32, device cpu",
+    "replay:  shape (2, 8, 8), dtype torch.float32, device cpu, made by",
+)
+"""What the error says of the block's replay over a cache one call longer: the
+region, the line that saved the tensor, both shapes."""
+
+
+def _assert_says(msg: str, *fragments: str) -> None:
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
 def test_a_cache_appended_to_on_replay_raises_a_clear_error():
     torch.manual_seed(0)
     block = Block()
     out = remat.checkpoint(region_name="layers.0")(block)(_x())
     with pytest.raises(remat.ReplayMismatchError) as info:
         out.sum().backward()
-    msg = str(info.value)
-    for fragment in (
+    _assert_says(
+        str(info.value),
         "the replay of checkpoint 'layers.0' did not reproduce its forward",
-        "in region 'layers.0::attention' has another shape than on forward",
         "test_replay_mismatch.py",  # the line of model code that saved it
-        "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
-        "forward: shape (2, 8, 4), dtype torch.float32, device cpu",
-        "replay:  shape (2, 8, 8), dtype torch.float32, device cpu, made by",
+        *_LONGER_CACHE,
         "use_cache=False",
         "recompute_state_hooks",
         "remat_dist.is_recomputing()",
-    ):
-        assert fragment in msg, (fragment, msg)
+    )
     assert isinstance(info.value, tuc.CheckpointError)  # what torch raises here
 
 
@@ -83,14 +94,7 @@ def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_dif
     out = run(_x())
     with pytest.raises(remat.ReplayMismatchError) as info:
         out.sum().backward()
-    msg = str(info.value)
-    for fragment in (
-        "in region 'layers.0::attention' has another shape than on forward",
-        "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
-        "forward: shape (2, 8, 4), dtype torch.float32, device cpu",
-        "replay:  shape (2, 8, 8), dtype torch.float32, device cpu, made by",
-    ):
-        assert fragment in msg, (fragment, msg)
+    _assert_says(str(info.value), *_LONGER_CACHE)
 
 
 class CacheLength:
