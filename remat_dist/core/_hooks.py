@@ -10,6 +10,7 @@ it), and tells the pack hook why it is called (:func:`current_saved_tensor_info`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -37,9 +38,9 @@ inputs_of_var: ContextVar[str | None] = ContextVar(
 )
 """Set to a checkpoint's name while torch packs that checkpoint's inputs."""
 
-_pending_names: ContextVar[dict[tuple[Any, ...], str] | None] = ContextVar(
-    "remat_dist_pending_names", default=None
-)
+_pending_names: ContextVar[
+    dict[tuple[Any, ...], tuple[str, weakref.ref[torch.Tensor]]] | None
+] = ContextVar("remat_dist_pending_names", default=None)
 
 
 def _name_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -51,7 +52,13 @@ def saved_name(t: torch.Tensor) -> str | None:
     names = _pending_names.get()
     if not names:
         return None
-    return names.get(_name_key(t))
+    hit = names.get(_name_key(t))
+    # The mapping outlives the Function's packing. Once the named tensor is gone,
+    # its storage's address (part of the key) can come back as another tensor's:
+    # that tensor must not inherit the name.
+    if hit is None or hit[1]() is None:
+        return None
+    return hit[0]
 
 
 def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> None:
@@ -73,7 +80,7 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
         # names: trace the save only (storage keys and context vars do not trace)
         ctx.save_for_backward(*saved.values())
         return
-    names: dict[tuple[Any, ...], str] = {}
+    names: dict[tuple[Any, ...], tuple[str, weakref.ref[torch.Tensor]]] = {}
     for name, t in saved.items():
         if not isinstance(name, str) or not name:
             raise RematUsageError(
@@ -81,7 +88,7 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
                 f"{name!r}. Fix: use names such as 'lse' or 'probs'."
             )
         if t is not None:
-            names[_name_key(t)] = name
+            names[_name_key(t)] = (name, weakref.ref(t))
     # torch packs the tensors when the Function's forward returns, before the next
     # Function can call this again, so one pending mapping is all that is needed.
     _pending_names.set(names)

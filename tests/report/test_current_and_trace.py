@@ -75,19 +75,19 @@ def test_current_memory_report_counts_each_save_region_and_kept_outputs():
     remat.checkpoint(region_name="c")(body)(x).sum().backward()
     (text,) = reports
     lines = text.splitlines()
-    assert lines[0] == "c: 144 B resident in 3 storage(s)"
-    assert lines[1] == "c::a: 48 B"
+    assert lines[0] == "c: 144 B resident in 3 storage(s)", text
+    assert lines[1] == "c::a: 48 B", text
     assert lines[2].split() == ["48", "B", "saved.0", "(output", "at", "idx", "0)"] + [
         "(3,",
         "4)",
         "float32",
-    ]
+    ], text
     # sin input and b kept; w is a parameter; b's input a.cos() is recomputed by
     # replay, so torch's checkpoint recomputes it: not kept
-    assert lines[3] == "c::b: 96 B"
-    assert "(parameter, not counted)" in text  # w, saved by the matmul
-    assert "output 0 (kept for replay)" in lines[-1]
-    assert "inputs" not in text
+    assert lines[3] == "c::b: 96 B", text
+    assert "(parameter, not counted)" in text, text  # w, saved by the matmul
+    assert "output 0 (kept for replay)" in lines[-1], text
+    assert "inputs" not in text, text
 
 
 def test_current_memory_report_leaves_out_parameters_and_their_views():
@@ -258,3 +258,47 @@ def test_trace_shows_regions_outside_checkpoints():
         y = trace_scope(step, "scope", metadata=["test_flag"])(x)
     assert torch.equal(y, torch.cos(torch.sin(x)))
     assert trace.format() == "remat_dist trace\nscope [test_flag]\n  sin: save\n  cos: recompute"
+
+
+def test_a_name_given_by_save_for_backward_does_not_pass_to_a_later_tensor():
+    """A named save packed outside any checkpoint leaves its names pending; once
+    that tensor is gone, another tensor can get its storage's address. It must be
+    reported under its own label, not the dead tensor's name."""
+
+    class Exp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            probs = x.exp()
+            remat.save_for_backward(ctx, {"probs": probs})
+            return probs
+
+        @staticmethod
+        def backward(ctx, g):
+            (probs,) = ctx.saved_tensors
+            return g * probs
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = Exp.apply(x)  # no checkpoint: no remat hook reads the names
+    address = out.untyped_storage()._cdata
+    del out
+    held = []
+    for _ in range(1000):  # the allocator hands the freed address back
+        y = torch.ones(3, 4)
+        if y.untyped_storage()._cdata == address:
+            break
+        held.append(y)
+    else:
+        pytest.fail("no tensor got the freed storage's address back")
+    reports: list[str] = []
+
+    def body(t):
+        h = remat.region(lambda t: y * t, "r", recompute=False)(t)  # saves y
+        if not remat.is_recomputing():
+            reports.append(format_current_memory_report(inputs=False))
+        return h
+
+    remat.checkpoint(region_name="c")(body)(x).sum().backward()
+    assert torch.equal(x.grad, y)
+    (text,) = reports
+    assert text.splitlines()[2].split()[:3] == ["48", "B", "saved.0"], text
+    assert "probs" not in text, text
