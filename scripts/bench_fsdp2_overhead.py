@@ -10,7 +10,13 @@ jitter enters, over many interleaved iterations, in CPU time. It prints the medi
 ratio with its seeded bootstrap 95% interval, for the whole step and for forward
 and backward apart, and writes JSON.
 
-    python scripts/bench_fsdp2_overhead.py [--iters N] [--json PATH]
+``--split`` adds a third variant, remat_dist with the observers the distributed
+layer attaches to core taken off (its checkpoints keep no collective ledger and
+join no plan): how much of the cost is that layer's and how much core's. It is a
+diagnostic only: without the observers a replay is not checked against its
+forward's collectives.
+
+    python scripts/bench_fsdp2_overhead.py [--iters N] [--split] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="also run remat_dist without the distributed layer's observers",
+    )
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29693")
@@ -39,6 +50,7 @@ def main() -> None:
 
     import remat_dist as remat
     from remat_dist.cli.bench_dist import _median_ci95, _torch_checkpoint_blocks
+    from remat_dist.core import observers_suspended
     from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     torch.set_num_threads(1)
@@ -48,7 +60,7 @@ def main() -> None:
     def build(variant: str) -> Any:
         torch.manual_seed(0)
         model = GPT(config)
-        if variant == "remat_dist":
+        if variant.startswith("remat_dist"):
             remat.apply_remat(model, blocks=Block)
         else:
             _torch_checkpoint_blocks(model, tuc)
@@ -56,7 +68,10 @@ def main() -> None:
         remat.shard_model(model, mesh, blocks=Block)
         return model
 
-    variants = ("torch.utils.checkpoint", "remat_dist")
+    bare = "remat_dist, no observers"
+    variants: tuple[str, ...] = ("torch.utils.checkpoint", "remat_dist")
+    if args.split:
+        variants += (bare,)
     try:
         models = {v: build(v) for v in variants}
         tokens, targets = make_batch(config, 4, seed=0)
@@ -68,7 +83,11 @@ def main() -> None:
             for v in variants[it % 2 :] + variants[: it % 2]:
                 model = models[v]
                 c0 = clock()
-                loss = model.loss(tokens, targets)
+                if v == bare:  # its records get no ledger: their replays skip it too
+                    with observers_suspended():
+                        loss = model.loss(tokens, targets)
+                else:
+                    loss = model.loss(tokens, targets)
                 c1 = clock()
                 loss.backward()
                 c2 = clock()
@@ -80,23 +99,29 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     base = parts["torch.utils.checkpoint"]
-    mine = parts["remat_dist"]
     out: dict[str, Any] = {"iters": args.iters, "config": vars(config), "rows": {}}
-    print(f"{'part':10s} {'torch ms':>9s} {'remat ms':>9s} {'x torch':>8s}  95% interval")
-    for part in ("step", "forward", "backward"):
-        ratios = [a / b for a, b in zip(mine[part], base[part])]
-        row = {
-            "torch_ms": statistics.median(base[part]) * 1e3,
-            "remat_ms": statistics.median(mine[part]) * 1e3,
-            "x_torch": statistics.median(ratios),
-            "x_torch_ci95": _median_ci95(ratios),
-        }
-        out["rows"][part] = row
-        lo, hi = row["x_torch_ci95"]
-        print(
-            f"{part:10s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "
-            f"{row['x_torch']:8.4f}  [{lo:.4f}, {hi:.4f}]"
-        )
+    for v, key in (("remat_dist", "rows"), (bare, "split_rows")):
+        if v not in parts:
+            continue
+        mine = parts[v]
+        out[key] = {}
+        if v == bare:
+            print(f"\n{v}:")
+        print(f"{'part':10s} {'torch ms':>9s} {'remat ms':>9s} {'x torch':>8s}  95% interval")
+        for part in ("step", "forward", "backward"):
+            ratios = [a / b for a, b in zip(mine[part], base[part])]
+            row = {
+                "torch_ms": statistics.median(base[part]) * 1e3,
+                "remat_ms": statistics.median(mine[part]) * 1e3,
+                "x_torch": statistics.median(ratios),
+                "x_torch_ci95": _median_ci95(ratios),
+            }
+            out[key][part] = row
+            lo, hi = row["x_torch_ci95"]
+            print(
+                f"{part:10s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "
+                f"{row['x_torch']:8.4f}  [{lo:.4f}, {hi:.4f}]"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -9,7 +9,8 @@ rule enforces it; ``docs/extending.md`` documents each piece):
 * the per-checkpoint record: :class:`CheckpointRecord`, :class:`RegionRecord`,
   :class:`SavedEntry`, :class:`PersistedOutput`, :class:`CheckpointPhase`,
   :class:`RecordExtension`, :func:`live_records`, :class:`WeakRecords`;
-* the observer seam: :class:`CheckpointObserver`, :func:`register_observer`;
+* the observer seam: :class:`CheckpointObserver`, :func:`register_observer`,
+  :func:`observers_suspended`;
 * the option seam: :func:`declare_option`, :class:`OptionSpec`,
   :class:`CheckpointOptions`;
 * the default state hooks: :func:`set_default_state_hooks_provider`;
@@ -35,6 +36,7 @@ from remat_dist.core._hooks import (
 )
 from remat_dist.core._hooks import save_for_backward as save_for_backward
 from remat_dist.core._hooks import saved_tensors_hooks as saved_tensors_hooks
+from remat_dist.core._observers import observers_suspended, register_observer
 from remat_dist.core._options import CheckpointOptions, OptionSpec, declare_option
 from remat_dist.core._packed import PackedKind, classify_packed, records_of_node
 from remat_dist.core._placeholder import is_placeholder as is_placeholder
@@ -48,7 +50,6 @@ from remat_dist.core._record import (
     SavedEntry,
     WeakRecords,
     live_records,
-    register_observer,
     set_default_state_hooks_provider,
     set_saved_hooks_extent,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "plain",
     "raise_at_backward_end",
     "records_of_node",
+    "observers_suspended",
     "register_observer",
     "set_default_state_hooks_provider",
     "set_saved_hooks_extent",

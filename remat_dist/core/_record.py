@@ -36,7 +36,6 @@ __all__ = [
     "WeakRecords",
     "saved_entry",
     "live_records",
-    "register_observer",
     "set_default_state_hooks_provider",
 ]
 
@@ -424,24 +423,6 @@ def _methods(
 
 
 _SEAMS = _Seams()
-
-
-class _ObserverHandle:
-    def __init__(self, observer: Any) -> None:
-        self._observer = observer
-
-    def remove(self) -> None:
-        if self._observer in _SEAMS.observers:
-            _SEAMS.observers.remove(self._observer)
-            _SEAMS.refresh()
-
-
-def register_observer(observer: CheckpointObserver) -> _ObserverHandle:
-    """Attach ``observer`` (a :class:`CheckpointObserver`) to every checkpoint in
-    this process; returns a handle whose ``remove()`` detaches it."""
-    _SEAMS.observers.append(observer)
-    _SEAMS.refresh()
-    return _ObserverHandle(observer)
 
 
 def absorbs(record: CheckpointRecord, error: BaseException) -> bool:

@@ -81,15 +81,18 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "scripts" / "bench_fsdp2_overhead.py"), "--iters", "3",
-         "--json", str(out)],
+         "--split", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"step", "forward", "backward"}
-    for row in rows.values():
-        lo, hi = row["x_torch_ci95"]
-        assert lo <= row["x_torch"] <= hi
+    result = json.loads(out.read_text())
+    # --split: the same table again for remat_dist without the distributed observers
+    assert "remat_dist, no observers:" in proc.stdout
+    for rows in (result["rows"], result["split_rows"]):
+        assert set(rows) == {"step", "forward", "backward"}
+        for row in rows.values():
+            lo, hi = row["x_torch_ci95"]
+            assert lo <= row["x_torch"] <= hi
 
 
 @pytest.mark.slow

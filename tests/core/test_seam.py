@@ -15,6 +15,7 @@ from remat_dist.core import (
     classify_packed,
     declare_option,
     live_records,
+    observers_suspended,
     records_of_node,
     register_observer,
 )
@@ -103,3 +104,28 @@ def test_the_classifier_finds_what_a_save_region_keeps():
         stack.extend(n for n, _ in node.next_functions)
     assert PackedKind.REGION_KEPT in kinds
     assert [r.name for r in records_of_node(y.grad_fn)] == ["seam_cls"]
+
+
+def test_observers_suspended_leaves_the_checkpoints_of_its_block_unobserved():
+    seen = []
+
+    class Events:
+        def on_checkpoint_start(self, record, replay):
+            seen.append((record.name, "replay" if replay else "forward"))
+
+    handle = register_observer(Events())
+    try:
+        x = torch.randn(4, requires_grad=True)
+        block = remat.checkpoint(region_name="quiet")(lambda t: t.sin().cos())
+        with observers_suspended():
+            y = block(x)
+        assert seen == []
+        y.sum().backward()  # the observer is back, and sees the replay start
+        reference = torch.autograd.grad(x.sin().cos().sum(), x)[0]
+        assert torch.equal(x.grad, reference)
+        assert seen == [("quiet", "replay")]
+        seen.clear()
+        block(x).sum().backward()  # after the block: observed again
+        assert seen == [("quiet", "forward"), ("quiet", "replay")]
+    finally:
+        handle.remove()
