@@ -8,7 +8,8 @@ reports read it. The record lives exactly as long as the checkpoint's autograd g
 saved outlives its backward.
 
 Layers above the core (the distributed ledger, traces) attach through
-:func:`register_observer`; the core never imports them.
+:func:`register_observer` (``_observers.py``), into the seam kept here; the core
+never imports them.
 """
 
 from __future__ import annotations
