@@ -28,6 +28,13 @@ all-reduce under ``remat_dist.saved_tensors_hooks`` outside any checkpoint (an
 offloader or ``SavedBytesCounter`` around a forward), ``--layout forced-torch``
 under torch's own ``saved_tensors_hooks``, which remat_dist does not see: the
 control, where the abort is torch's.
+
+``--layout cycle`` runs a script whose process groups outlive
+``destroy_process_group()`` in a reference cycle only, as a model built inside
+``main()`` holds its groups once ``main()`` returns: Python frees the cycle during
+finalization, where a gloo group's destructor aborts the process, unless
+something collects it first (``remat_dist.distributed._exit`` does, at exit).
+``--checkpoint torch`` takes that exit handler away: the control.
 """
 
 from __future__ import annotations
@@ -135,6 +142,32 @@ def _worker_forced(layout: str) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
+def _worker_cycle(checkpoint: str) -> None:
+    """One rank of the ``cycle`` layout (see the module docstring)."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    if checkpoint == "torch":  # the control: without remat_dist's exit handler
+        from remat_dist.distributed import _exit
+
+        atexit.unregister(_exit._at_exit)
+    dist.init_process_group("gloo")
+
+    class Trainer:
+        """Holds the groups and itself, as a module and its FSDP2 state do."""
+
+    trainer = Trainer()
+    trainer.self, trainer.world = trainer, dist.group.WORLD
+    trainer.group = dist.new_group([0, 1])
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1000), group=trainer.group)
+        dist.all_reduce(torch.ones(1000))
+    del trainer
+    dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("runs", type=int, nargs="?", default=50)
     parser.add_argument(
-        "--layout", choices=("tp", "fsdp", "forced", "forced-hooks", "forced-torch"),
+        "--layout",
+        choices=("tp", "fsdp", "forced", "forced-hooks", "forced-torch", "cycle"),
         default="tp",
     )
     parser.add_argument("--steps", type=int, default=3)
@@ -225,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         if args.layout.startswith("forced"):
             _worker_forced(args.layout)
+        elif args.layout == "cycle":
+            _worker_cycle(args.checkpoint)
         else:
             _worker(args.layout, args.steps, args.checkpoint)
         return 0

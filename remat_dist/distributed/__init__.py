@@ -18,7 +18,10 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   without user code (``default_state_hooks``);
 * collectives issued under ``remat_dist.saved_tensors_hooks`` outside a
   checkpoint go out without those hooks in the backend's work (no Python object
-  for its thread to free at interpreter exit).
+  for its thread to free at interpreter exit);
+* at interpreter exit, reference cycles are collected while the interpreter is
+  whole, so a process group held by one (a model built inside ``main()``) is not
+  destroyed during finalization, where gloo aborts the process (``_exit``).
 
 Without an initialised process group none of it costs anything. The user API
 (``set_replay_timeout``, ``mark_step``, ``step_stats``, the RNG hooks, ...) is
@@ -32,6 +35,7 @@ from remat_dist._state import register_state
 from remat_dist._torch import _fsdp
 from remat_dist.core import set_saved_hooks_extent
 from remat_dist.distributed import (
+    _exit,  # noqa: F401  (closes links and collects cycles at interpreter exit)
     _options,  # noqa: F401  (declares collectives=)
     _values,  # noqa: F401  (the value check's observer)
 )

@@ -33,7 +33,6 @@ once, and pipeline stages never wait on each other.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import threading
@@ -438,9 +437,9 @@ class _StepProcess:
 _PROCESS = register_state("distributed.step", _StepProcess())
 
 
-@atexit.register
-def _release_at_exit() -> None:
-    # Close the links and drop the dispatch hooks while the interpreter is whole.
+def release_process_state() -> None:
+    """Close the side channels and drop the dispatch hooks (at interpreter exit:
+    ``_exit``)."""
     _PROCESS.close()
 
 
