@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from typing import Any
 
@@ -49,7 +48,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.cli.bench_dist import _median_ci95, _torch_checkpoint_blocks
+    from remat_dist.cli.bench_dist import _ratio_row, _torch_checkpoint_blocks
     from remat_dist.core import observers_suspended
     from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
@@ -109,14 +108,7 @@ def main() -> None:
             print(f"\n{v}:")
         print(f"{'part':10s} {'torch ms':>9s} {'remat ms':>9s} {'x torch':>8s}  95% interval")
         for part in ("step", "forward", "backward"):
-            ratios = [a / b for a, b in zip(mine[part], base[part])]
-            row = {
-                "torch_ms": statistics.median(base[part]) * 1e3,
-                "remat_ms": statistics.median(mine[part]) * 1e3,
-                "x_torch": statistics.median(ratios),
-                "x_torch_ci95": _median_ci95(ratios),
-            }
-            out[key][part] = row
+            row = out[key][part] = _ratio_row(mine[part], base[part])
             lo, hi = row["x_torch_ci95"]
             print(
                 f"{part:10s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "

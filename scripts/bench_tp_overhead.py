@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,7 +130,7 @@ def main() -> None:
         _rank_main(args.rank_of, args.iters)
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from remat_dist.cli.bench_dist import _median_ci95
+    from remat_dist.cli.bench_dist import _ratio_row
 
     raw = _launch(args.iters)
     ranks = raw["ranks"]
@@ -152,14 +151,7 @@ def main() -> None:
     ))
     print(f"{'measure':8s} {'torch ms':>9s} {'remat ms':>9s} {'x torch':>8s}  95% interval")
     for measure, series in per_step.items():
-        ratios = [a / b for a, b in zip(series[mine], series[base])]
-        row = {
-            "torch_ms": statistics.median(series[base]) * 1e3,
-            "remat_ms": statistics.median(series[mine]) * 1e3,
-            "x_torch": statistics.median(ratios),
-            "x_torch_ci95": _median_ci95(ratios),
-        }
-        out["rows"][measure] = row
+        row = out["rows"][measure] = _ratio_row(series[mine], series[base])
         lo, hi = row["x_torch_ci95"]
         print(
             f"{measure:8s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "

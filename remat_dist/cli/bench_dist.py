@@ -150,6 +150,18 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _ratio_row(mine: list[float], base: list[float]) -> dict[str, Any]:
+    """Paired timings (seconds) of remat_dist and ``torch.utils.checkpoint``: both
+    medians in ms, the median of the per-iteration ratios and its 95% interval."""
+    ratios = [a / b for a, b in zip(mine, base)]
+    return {
+        "torch_ms": statistics.median(base) * 1e3,
+        "remat_ms": statistics.median(mine) * 1e3,
+        "x_torch": statistics.median(ratios),
+        "x_torch_ci95": _median_ci95(ratios),
+    }
+
+
 def _median_ci95(values: list[float], resamples: int = 1000) -> list[float]:
     """A 95% interval of the median of ``values`` (percentile bootstrap, seeded):
     how far the ratio a run shows can be from what the machine's noise hides."""
