@@ -10,13 +10,21 @@ jitter enters, over many interleaved iterations, in CPU time. It prints the medi
 ratio with its seeded bootstrap 95% interval, for the whole step and for forward
 and backward apart, and writes JSON.
 
+Each variant runs as ``--replicas`` separate model instances (default 2), all
+interleaved in a rotating order; an iteration's time of a variant is the mean of
+its replicas'. The same code in two instances runs at different speeds on this box
+(where each instance's memory lands), by up to half a percent over a whole run;
+the replicas average that out of the ratio, and the **A/A** row (the first torch
+replica over the second) shows what is left of it in this run: a ratio the A/A row
+does not clear is not resolved.
+
 ``--split`` adds a third variant, remat_dist with the observers the distributed
 layer attaches to core taken off (its checkpoints keep no collective ledger and
 join no plan): how much of the cost is that layer's and how much core's. It is a
 diagnostic only: without the observers a replay is not checked against its
 forward's collectives.
 
-    python scripts/bench_fsdp2_overhead.py [--iters N] [--split] [--json PATH]
+    python scripts/bench_fsdp2_overhead.py [--iters N] [--replicas K] [--split] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -32,6 +41,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="model instances per variant (2 or more also gives the A/A row)",
+    )
     parser.add_argument(
         "--split",
         action="store_true",
@@ -71,18 +86,19 @@ def main() -> None:
     variants: tuple[str, ...] = ("torch.utils.checkpoint", "remat_dist")
     if args.split:
         variants += (bare,)
+    replicas = max(1, args.replicas)
+    instances = [(v, r) for r in range(replicas) for v in variants]
     try:
-        models = {v: build(v) for v in variants}
+        models = {key: build(key[0]) for key in instances}
         tokens, targets = make_batch(config, 4, seed=0)
-        parts: dict[str, dict[str, list[float]]] = {
-            v: {"step": [], "forward": [], "backward": []} for v in variants
-        }
+        times = {key: {"step": [], "forward": [], "backward": []} for key in instances}
         clock = time.process_time
         for it in range(20 + args.iters):
-            for v in variants[it % 2 :] + variants[: it % 2]:
-                model = models[v]
+            shift = it % len(instances)
+            for key in instances[shift:] + instances[:shift]:
+                model = models[key]
                 c0 = clock()
-                if v == bare:  # its records get no ledger: their replays skip it too
+                if key[0] == bare:  # its records get no ledger: their replays skip it
                     with observers_suspended():
                         loss = model.loss(tokens, targets)
                 else:
@@ -92,13 +108,28 @@ def main() -> None:
                 c2 = clock()
                 model.zero_grad(set_to_none=True)
                 if it >= 20:
-                    parts[v]["forward"].append(c1 - c0)
-                    parts[v]["backward"].append(c2 - c1)
-                    parts[v]["step"].append(c2 - c0)
+                    times[key]["forward"].append(c1 - c0)
+                    times[key]["backward"].append(c2 - c1)
+                    times[key]["step"].append(c2 - c0)
     finally:
         dist.destroy_process_group()
+    parts = {
+        v: {
+            part: [
+                statistics.fmean(xs)
+                for xs in zip(*(times[(v, r)][part] for r in range(replicas)))
+            ]
+            for part in ("step", "forward", "backward")
+        }
+        for v in variants
+    }
     base = parts["torch.utils.checkpoint"]
-    out: dict[str, Any] = {"iters": args.iters, "config": vars(config), "rows": {}}
+    out: dict[str, Any] = {
+        "iters": args.iters,
+        "replicas": replicas,
+        "config": vars(config),
+        "rows": {},
+    }
     for v, key in (("remat_dist", "rows"), (bare, "split_rows")):
         if v not in parts:
             continue
@@ -114,6 +145,14 @@ def main() -> None:
                 f"{part:10s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "
                 f"{row['x_torch']:8.4f}  [{lo:.4f}, {hi:.4f}]"
             )
+    if replicas > 1:
+        first, second = (times[("torch.utils.checkpoint", r)]["step"] for r in (0, 1))
+        row = out["aa_row"] = _ratio_row(first, second)
+        lo, hi = row["x_torch_ci95"]
+        print(
+            f"\nA/A (torch.utils.checkpoint, replica 0 / replica 1), step: "
+            f"{row['x_torch']:.4f}  [{lo:.4f}, {hi:.4f}]"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -93,6 +93,11 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
         for row in rows.values():
             lo, hi = row["x_torch_ci95"]
             assert lo <= row["x_torch"] <= hi
+    # two instances of each variant by default; the A/A row compares torch's two
+    assert result["replicas"] == 2
+    assert "A/A (torch.utils.checkpoint, replica 0 / replica 1)" in proc.stdout
+    lo, hi = result["aa_row"]["x_torch_ci95"]
+    assert lo <= result["aa_row"]["x_torch"] <= hi
 
 
 @pytest.mark.slow
@@ -114,3 +119,36 @@ def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path
     for row in result["rows"].values():
         lo, hi = row["x_torch_ci95"]
         assert lo <= row["x_torch"] <= hi
+
+
+def test_instruction_counts_sum_each_functions_own_cost_and_skip_inclusive_call_costs(
+    tmp_path,
+):
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "bench_fsdp2_instructions", root / "scripts" / "bench_fsdp2_instructions.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    # the shape of a callgrind dump: own costs per line, and after each calls= line
+    # the call's inclusive cost, which is the callee's and must not count twice
+    body = (
+        "events: Ir\nsummary: 0\n\nfn=(1) outer\n10 100\n+2 50\ncfn=(2) inner\n"
+        "calls=3 40\n12 7000\n*  25\nfn=(2)\n40 7000\n"
+    )
+    for index, phase, scale in ((0, "forward", 1), (0, "backward", 2),
+                                (1, "forward", 3), (1, "backward", 4)):
+        text = body.replace(" 100\n", f" {100 * scale}\n")
+        (tmp_path / f"cg.1.{index}{phase}").write_text(
+            f"desc: Trigger: dump variant{index}-{phase}\n{text}"
+        )
+    (tmp_path / "cg.1").write_text("desc: Trigger: Program termination\n" + body)
+    counts = script._read_dumps(str(tmp_path))
+    assert counts == {
+        ("torch.utils.checkpoint", "forward"): 100 + 50 + 25 + 7000,
+        ("torch.utils.checkpoint", "backward"): 200 + 50 + 25 + 7000,
+        ("remat_dist", "forward"): 300 + 50 + 25 + 7000,
+        ("remat_dist", "backward"): 400 + 50 + 25 + 7000,
+    }
