@@ -64,8 +64,20 @@ def main() -> None:
             "--steps",
             str(args.steps),
         ]
-        subprocess.run(cmd, env=env, check=True, stderr=subprocess.DEVNULL)
-        counts = _read_dumps(out)
+        log = os.path.join(out, "valgrind.log")
+        with open(log, "w") as err:
+            code = subprocess.run(cmd, env=env, stderr=err).returncode
+        try:
+            if code != 0:
+                sys.exit(
+                    f"the measured run failed with exit code {code} (valgrind's last "
+                    "lines are above)"
+                )
+            counts = _read_dumps(out)
+        except SystemExit:
+            with open(log) as err:
+                sys.stderr.write("".join(err.readlines()[-40:]))
+            raise
     rows: dict[str, Any] = {}
     print(f"instructions per step ({args.steps} measured steps per variant)")
     print(f"{'phase':10s} {'torch':>14s} {'remat':>14s} {'x torch':>9s} {'remat - torch':>14s}")
@@ -171,7 +183,7 @@ def _read_dumps(out: str) -> dict[tuple[str, str], int]:
             counts[(VARIANTS[int(found.group(1))], found.group(2))] = total
     missing = [(v, p) for v in VARIANTS for p in PHASES if (v, p) not in counts]
     if missing:
-        sys.exit(f"callgrind wrote no dump for {missing}: see valgrind's output above")
+        sys.exit(f"callgrind wrote no dump for {missing} (valgrind's last lines are above)")
     return counts
 
 
