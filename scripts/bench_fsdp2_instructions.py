@@ -99,38 +99,17 @@ def _measure(steps: int) -> None:
     """Runs under callgrind: builds both variants, then counts each phase."""
     import gc
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29695")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    import torch
     import torch.distributed as dist
-    import torch.utils.checkpoint as tuc
-    from torch.distributed.device_mesh import init_device_mesh
 
-    import remat_dist as remat
-    from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
-    from remat_dist.models import GPT, Block, GPTConfig, make_batch
+    from remat_dist.cli.bench_dist import one_rank_fsdp2_bench
+    from remat_dist.models import make_batch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    config = GPTConfig(vocab_size=256, seq_len=64, dim=128, n_heads=4, n_layers=4)
+    config, build = one_rank_fsdp2_bench(port=29695)
     pid = str(os.getpid())
 
     def control(*flags: str) -> None:
         subprocess.run(["callgrind_control", *flags, pid], capture_output=True, check=True)
         time.sleep(0.5)  # callgrind reads the command at its next check
-
-    def build(variant: str) -> Any:
-        torch.manual_seed(0)
-        model = GPT(config)
-        if variant == "remat_dist":
-            remat.apply_remat(model, blocks=Block)
-        else:
-            _torch_checkpoint_blocks(model, tuc)
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        remat.shard_model(model, mesh, blocks=Block)
-        return model
 
     try:
         models = {v: build(v) for v in VARIANTS}

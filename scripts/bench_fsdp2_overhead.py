@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
@@ -53,34 +52,13 @@ def main() -> None:
         help="also run remat_dist without the distributed layer's observers",
     )
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29693")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    import torch
     import torch.distributed as dist
-    import torch.utils.checkpoint as tuc
-    from torch.distributed.device_mesh import init_device_mesh
 
-    import remat_dist as remat
-    from remat_dist.cli.bench_dist import _ratio_row, _torch_checkpoint_blocks
+    from remat_dist.cli.bench_dist import _ratio_row, one_rank_fsdp2_bench
     from remat_dist.core import observers_suspended
-    from remat_dist.models import GPT, Block, GPTConfig, make_batch
+    from remat_dist.models import make_batch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    config = GPTConfig(vocab_size=256, seq_len=64, dim=128, n_heads=4, n_layers=4)
-
-    def build(variant: str) -> Any:
-        torch.manual_seed(0)
-        model = GPT(config)
-        if variant.startswith("remat_dist"):
-            remat.apply_remat(model, blocks=Block)
-        else:
-            _torch_checkpoint_blocks(model, tuc)
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-        remat.shard_model(model, mesh, blocks=Block)
-        return model
+    config, build = one_rank_fsdp2_bench(port=29693)
 
     bare = "remat_dist, no observers"
     variants: tuple[str, ...] = ("torch.utils.checkpoint", "remat_dist")

@@ -72,6 +72,48 @@ def _torch_checkpoint_blocks(model: Any, tuc: Any) -> None:
         block.forward = checkpointed
 
 
+def one_rank_fsdp2_bench(port: int) -> tuple[Any, Any]:
+    """The FSDP2 overhead scripts' setup (``scripts/bench_fsdp2_*.py``): a 1-rank
+    gloo group (on ``port`` unless ``MASTER_PORT`` is set), one torch thread, and
+    ``(config, build)``: ``build(variant)`` makes the reference GPT (dim 128, 4
+    blocks, seq 64) sharded by FSDP2 per block, each block checkpointed inside its
+    unit by remat_dist (a variant whose name starts with ``remat_dist``) or by
+    ``torch.utils.checkpoint`` (any other)."""
+    import os
+
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(port)),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
+        os.environ.setdefault(key, value)
+    import torch
+    import torch.distributed as dist
+    import torch.utils.checkpoint as tuc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import remat_dist as remat
+    from remat_dist.models import GPT, Block, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    config = GPTConfig(vocab_size=256, seq_len=64, dim=128, n_heads=4, n_layers=4)
+
+    def build(variant: str) -> Any:
+        torch.manual_seed(0)
+        model = GPT(config)
+        if variant.startswith("remat_dist"):
+            remat.apply_remat(model, blocks=Block)
+        else:
+            _torch_checkpoint_blocks(model, tuc)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        remat.shard_model(model, mesh, blocks=Block)
+        return model
+
+    return config, build
+
+
 def _kinds(ledger: Any) -> dict[str, int]:
     return dict(Counter(e.op for e in ledger.entries))
 
