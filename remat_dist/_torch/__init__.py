@@ -57,6 +57,7 @@ _CORE = (
     "torch.utils.checkpoint._Holder",
     "torch.utils.checkpoint._CheckpointFrame",
     "torch.utils.checkpoint._checkpoint_hook",
+    "torch.utils.checkpoint._recomputation_hook",
     "torch.utils.checkpoint._allowed_determinism_checks_to_fns",
     # _dispatch
     "torch._C._parse_dispatch_key",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "early_stop_enabled",
     "frame_of_pack_hook",
     "register_metadata_fn",
+    "replay_target",
 ]
 
 StopRecomputationError: type[BaseException] = _tc._StopRecomputationError
@@ -83,6 +85,59 @@ def _checkpoint_pack_code() -> tuple[Any, int]:
 
 
 _CHECKPOINT_PACK_CODE, _FRAME_CELL = _checkpoint_pack_code()
+
+
+def replay_target(pack: Any) -> tuple[Any, Any] | None:
+    """``(frame, gid)`` of torch's recomputation pack hook ``pack`` (the innermost
+    saved-tensor hook while a replay's recompute context runs): the checkpoint frame
+    being replayed and the graph task it is replayed for. After the replay, the
+    frame's ``recomp_counter[gid]`` is how many tensors it saved and
+    ``recomputed[gid]`` holds them (behind ``weak_holders[i]().handles[gid]``).
+    None when ``pack`` is another hook or the frame is gone."""
+    inner = getattr(pack, "__wrapped__", pack)  # torch._dynamo.disable's wrapper
+    if getattr(inner, "__code__", None) is not _RECOMPUTE_PACK_CODE:
+        return None
+    cells = inner.__closure__
+    frame = cells[_RECOMPUTE_CELLS[0]].cell_contents()
+    if frame is None:
+        return None
+    return frame, cells[_RECOMPUTE_CELLS[1]].cell_contents
+
+
+def _recompute_pack_code() -> tuple[Any, tuple[int, int]]:
+    """The code of torch's recomputation pack hook and the indices of its frame
+    reference and graph-task id cells, found by making one hook on a bare frame."""
+    frame = _tc._CheckpointFrame(None, False, None, None)
+    ref, gid = weakref.ref(frame), object()
+    pack = getattr(_tc._recomputation_hook(ref, gid), "pack_hook", None)
+    inner = getattr(pack, "__wrapped__", pack)
+    cells = [c.cell_contents for c in getattr(inner, "__closure__", None) or ()]
+    found = [
+        [i for i, c in enumerate(cells) if c is want] for want in (ref, gid)
+    ]
+    missing = [
+        piece
+        for piece, ok in (
+            ("_recomputation_hook's pack hook over its frame", bool(found[0])),
+            ("_recomputation_hook's pack hook over its graph task", bool(found[1])),
+            ("_CheckpointFrame.recomp_counter", hasattr(frame, "recomp_counter")),
+            ("_CheckpointFrame.recomputed", hasattr(frame, "recomputed")),
+            ("_CheckpointFrame.weak_holders", hasattr(frame, "weak_holders")),
+        )
+        if not ok
+    ]
+    if missing:
+        from remat_dist._torch import SUPPORTED_TORCH
+
+        raise ImportError(
+            f"remat_dist needs torch{SUPPORTED_TORCH}: the installed torch has no "
+            f"torch.utils.checkpoint.{missing[0]}. Install a supported torch "
+            f"(pip install 'torch{SUPPORTED_TORCH}')."
+        )
+    return inner.__code__, (found[0][0], found[1][0])
+
+
+_RECOMPUTE_PACK_CODE, _RECOMPUTE_CELLS = _recompute_pack_code()
 
 
 def early_stop_enabled() -> bool:

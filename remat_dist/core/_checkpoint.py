@@ -98,9 +98,15 @@ def checkpoint(
             inputs, save-region saves and persisted outputs.
         determinism_check: ``"none"``, ``"default"`` or ``"values"``. Every
             replay's saved tensors are checked against the forward's shape, dtype
-            and device, at the first that differs (``ReplayMismatchError``, a
-            ``CheckpointError``): torch's ``"default"`` check, made earlier, so
-            ``"none"`` and ``"default"`` behave alike. ``"values"`` adds: each
+            and device before backward uses them; the first that differs raises
+            ``ReplayMismatchError`` (a ``CheckpointError``) naming the checkpoint,
+            the region and both metadata. ``"none"`` (default) checks them in one
+            loop when the replay ends (or raises inside model code: the error
+            then names the model line where it failed, and comes from it), as
+            torch's ``"default"`` does; ``"default"`` checks each as the replay
+            saves it, so the replay stops there and the error names the model
+            line that saved it, at the cost of a Python call per saved tensor
+            between the replay's kernels. ``"values"`` adds to ``"default"``: each
             tensor the replay saves,
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
@@ -361,6 +367,9 @@ class _Phase:
         self._outside: tuple[Any, ...] = ()
         self._forward_done = False
         self._tracker: _standin.Tracking | None = None
+        self._target: tuple[Any, Any] | None = None
+        """The frame and graph task of the running replay (torch's), when its
+        saved tensors are checked at its end."""
 
     def __enter__(self) -> None:
         record = self.record
@@ -382,11 +391,16 @@ class _Phase:
                 record.entry_state = _snapshot(record, "checkpoint entry")
             for method in _SEAMS.starts[record.values_check]:
                 method(record, self.replay)
-            # innermost: a replay's saved tensors are checked (and a forward's
-            # fingerprinted, with the value check on) by a hook above torch's
-            if self.replay or record.values_check:
+            # innermost: a replay's saved tensors are checked as they are saved
+            # (and a forward's fingerprinted, with the value check on) by a hook
+            # above torch's; otherwise all at once when the replay ends
+            if record.values_check or (
+                self.replay and record.options.determinism_check == "default"
+            ):
                 tracker = self._tracker = _standin.Tracking(record)
                 tracker.__enter__()
+            elif self.replay:
+                self._target = _standin.replay_target_here()
         except BaseException:
             if self.replay:
                 record.phase = CheckpointPhase.REPLAY_FAILED
@@ -403,9 +417,26 @@ class _Phase:
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__()
+        target, self._target = self._target, None
         try:
             if self.replay:
-                if exc_type is StopRecomputationError:
+                mismatch = None
+                if target is not None:
+                    record.replay_packs = target[0].recomp_counter.get(target[1], 0)
+                    stopped = exc_type is StopRecomputationError
+                    if stopped or exc is None or isinstance(exc, Exception):
+                        raised = None if stopped else exc
+                        mismatch = _replay_check.check_after_replay(record, target, raised)
+                if mismatch is not None:
+                    phase = CheckpointPhase.REPLAY_FAILED
+                    if _record.absorbs(record, mismatch):
+                        _standin.replace_mismatched(record, target)
+                        if exc_type is not StopRecomputationError and exc is not None:
+                            _standin.complete_with_stand_ins(record)
+                        exc, absorbed = None, True
+                    else:
+                        raising = exc = mismatch
+                elif exc_type is StopRecomputationError:
                     phase, exc = CheckpointPhase.STOPPED_EARLY, None
                 elif exc is None:
                     phase = CheckpointPhase.REPLAYED

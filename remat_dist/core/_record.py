@@ -111,6 +111,10 @@ class RegionRecord:
     torch's checkpoint with the rest (``(arg index, arg shape, arg strides, shape,
     strides, offset from the arg)``, in pack order)."""
     state_after: tuple[Any, ...] | None = None
+    saved_span: tuple[int, int] | None = None
+    """``[first, end)`` of the indices torch's checkpoint gave the tensors this
+    region's forward saved (``record.saved_meta``): what names the region in a
+    replay's mismatch error."""
 
     @property
     def is_save(self) -> bool:

@@ -168,6 +168,7 @@ def _region_forward(
     if _record._SEAMS.observers:
         _record.notify("on_region_start", record, rr, False)
     record._stack.append(rr)
+    first = len(record.saved_meta)
     try:
         if rr.is_save:
             inputs = _RegionInputs(record, args, kwargs)
@@ -182,6 +183,7 @@ def _region_forward(
             out = call.fn(*args, **kwargs)
     finally:
         record._stack.pop()
+        rr.saved_span = (first, len(record.saved_meta))
     items, structure = _flatten_output(rr, out)
     _reject_fresh_leaves(record, rr, items, (args, kwargs))
     if rr.is_save:

@@ -15,14 +15,16 @@ hook notes on forward through the metadata function remat_dist registers with it
 tensor on forward). A checkpoint whose last forward saved only plain tensors notes
 less, in one C call per tensor (:class:`SaveSite`): a tensor subclass such as a
 DTensor needs its structure noted for its stand-in, a plain tensor only its shape,
-dtype and device. On replay a pack hook pushed just above torch's counts the
-tensors the replay recomputes and checks each against the forward's
-(``_replay_check``, for every checkpoint).
+dtype and device. A replay's tensors are checked against the forward's when it
+ends (``_replay_check``, reading them from torch's frame: :func:`replay_target_here`),
+or, with ``determinism_check="default"``, by a pack hook pushed just above torch's
+that counts and checks each as it is saved (:class:`Tracking`).
 """
 
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,9 +37,10 @@ from remat_dist._torch._checkpoint import (
     StopRecomputationError,
     frame_of_pack_hook,
     register_metadata_fn,
+    replay_target,
 )
 from remat_dist.core import _fingerprint
-from remat_dist.core._replay_check import check_replayed
+from remat_dist.core._replay_check import check_replayed, replayed_tensors
 
 if TYPE_CHECKING:
     from remat_dist.core._record import CheckpointRecord
@@ -49,6 +52,8 @@ __all__ = [
     "is_tracker",
     "note_forward",
     "pack_spec",
+    "replace_mismatched",
+    "replay_target_here",
     "saved_meta",
     "saved_meta_plain",
 ]
@@ -144,9 +149,18 @@ def note_forward(record: CheckpointRecord) -> None:
         record.saved_meta = frame.x_metadatas
 
 
+def replay_target_here() -> tuple[Any, Any] | None:
+    """At a replay's start (torch's recomputation hook innermost): the frame being
+    replayed and the graph task, whose saved tensors ``_replay_check`` checks when
+    the replay ends."""
+    hooks = _top_hooks(False)
+    return None if hooks is None else replay_target(hooks[0])
+
+
 class Tracking:
-    """Inside torch's checkpoint hook, on replay: check each saved tensor against
-    the forward's (``_replay_check``) and count them; on a forward, only when the
+    """Inside torch's checkpoint hook: on a replay with ``determinism_check=
+    "default"`` or the value check, check each saved tensor against the forward's
+    as it is saved (``_replay_check``) and count them; on a forward, only when the
     value check is on (the metadata is noted by torch's own hook,
     :func:`saved_meta`).
 
@@ -230,6 +244,20 @@ def _stand_in(record: CheckpointRecord, index: int, meta: tuple[Any, ...]) -> An
     if spec is not None:
         return make_stand_in(spec)
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+
+
+def replace_mismatched(record: CheckpointRecord, target: tuple[Any, Any]) -> None:
+    """Put a stand-in of the forward's metadata in place of every tensor a replay
+    recomputed with another shape, dtype or device (its error was absorbed:
+    backward goes on, and must not fail on those shapes)."""
+    frame, gid = target
+    data = frame.recomputed[gid].data
+    meta = record.saved_meta
+    with torch.no_grad():
+        for index, handle, t in replayed_tensors(record, target):
+            want = meta[index]
+            if t.shape != want[0] or t.dtype != want[1] or t.device != want[2]:
+                data[weakref.ref(handle)] = _stand_in(record, index, want)
 
 
 def complete_with_stand_ins(record: CheckpointRecord) -> None:

@@ -1,6 +1,10 @@
-"""A replay that does not do what its forward did raises ``ReplayMismatchError`` at
-the first saved tensor that differs, naming the checkpoint, the region, the tensor,
-both metadata and the fixes, instead of crashing later inside model code.
+"""A replay that does not do what its forward did raises ``ReplayMismatchError``
+naming the checkpoint, the region, the first saved tensor that differs, both
+metadata and the fixes, instead of crashing later inside model code or computing
+gradients from it. By default the replay's saves are compared when it ends (also
+when it raised inside model code because of them); with
+``determinism_check="default"`` each is compared as it is saved, and the error also
+names the model line that saved it.
 
 The block under test keeps a Python-list cache that every call appends to, as a
 KV cache with ``use_cache=True`` does: its replay in backward sees a longer cache.
@@ -50,12 +54,19 @@ def _x() -> torch.Tensor:
 
 _LONGER_CACHE = (
     "in region 'layers.0::attention' has another shape than on forward",
-    "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
     "forward: shape (2, 8, 4), dtype torch.float32, device cpu",
-    "replay:  shape (2, 8, 8), dtype torch.float32, device cpu, made by",
+    "replay:  shape (2, 8, 8), dtype torch.float32, device cpu",
 )
 """What the error says of the block's replay over a cache one call longer: the
-region, the line that saved the tensor, both shapes."""
+region and both shapes."""
+
+_SAVED_AT = (
+    "test_replay_mismatch.py",
+    "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
+    "device cpu, made by",
+)
+"""What ``determinism_check="default"`` adds: the model line and the op that saved
+it."""
 
 
 def _assert_says(msg: str, *fragments: str) -> None:
@@ -69,24 +80,40 @@ def test_a_cache_appended_to_on_replay_raises_a_clear_error():
     out = remat.checkpoint(region_name="layers.0")(block)(_x())
     with pytest.raises(remat.ReplayMismatchError) as info:
         out.sum().backward()
+    msg = str(info.value)
     _assert_says(
-        str(info.value),
+        msg,
         "the replay of checkpoint 'layers.0' did not reproduce its forward",
-        "test_replay_mismatch.py",  # the line of model code that saved it
         *_LONGER_CACHE,
         "use_cache=False",
         "recompute_state_hooks",
         "remat_dist.is_recomputing()",
+        "determinism_check='default'",  # how to get the model line
     )
+    assert "saved at" not in msg
     assert isinstance(info.value, tuc.CheckpointError)  # what torch raises here
+    assert all(p.grad is None for p in block.parameters())  # no gradient from it
 
 
-def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_difference():
+def test_determinism_check_default_names_the_model_line_that_saved_it():
+    torch.manual_seed(0)
+    block = Block()
+    out = remat.checkpoint(region_name="layers.0", determinism_check="default")(block)(_x())
+    with pytest.raises(remat.ReplayMismatchError) as info:
+        out.sum().backward()
+    _assert_says(str(info.value), *_LONGER_CACHE, *_SAVED_AT)
+    assert block.attention.proj.weight.grad is None
+
+
+@pytest.mark.parametrize("check", ["none", "default"])
+def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_difference(
+    check,
+):
     """The second call of a call site notes its saves' metadata in short form (its
     first forward saved only plain tensors); its replay is checked as strictly."""
     torch.manual_seed(0)
     block = Block()
-    run = remat.checkpoint(region_name="layers.0")(block)
+    run = remat.checkpoint(region_name="layers.0", determinism_check=check)(block)
     out = run(_x())
     block.attention.cache.clear()  # the first replay sees what its forward saw
     out.sum().backward()
@@ -94,7 +121,58 @@ def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_dif
     out = run(_x())
     with pytest.raises(remat.ReplayMismatchError) as info:
         out.sum().backward()
-    _assert_says(str(info.value), *_LONGER_CACHE)
+    _assert_says(str(info.value), *_LONGER_CACHE, *(_SAVED_AT if check == "default" else ()))
+
+
+class ReshapingAttention(CachedAttention):
+    """Fails inside its replay because of the longer cache, after saving a tensor
+    of the longer shape (as model code with a KV cache does, deep inside)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.proj(x)
+        self.cache.append(k)
+        keys = torch.cat(self.cache, dim=1)
+        weights = (x @ keys.transpose(1, 2)).softmax(-1)
+        return weights.reshape(2, 4, 4) @ k
+
+
+def test_a_replay_that_fails_in_model_code_because_of_a_mismatch_raises_the_mismatch():
+    block = ReshapingAttention()
+    out = remat.checkpoint(region_name="layers.0")(block)(_x())
+    with pytest.raises(remat.ReplayMismatchError) as info:
+        out.sum().backward()
+    msg = str(info.value)
+    _assert_says(
+        msg,
+        "saved tensor #",
+        "has another shape than on forward",
+        "found when the replay raised RuntimeError",
+        "return weights.reshape(2, 4, 4) @ k",  # where the model failed
+        "use_cache=False",
+    )
+    assert isinstance(info.value.__cause__, RuntimeError)  # the model's own error
+
+
+def test_a_replay_for_a_second_backward_skips_what_the_first_freed():
+    """Two backward passes over the two outputs of one checkpoint: the second
+    replays it for a graph task whose first output's saved tensors are gone (torch
+    recomputes but does not keep them); what it keeps is checked, the gradients
+    are those without the checkpoint."""
+    a = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, 4, requires_grad=True)
+
+    def f(a, b):
+        return a.sin() * a, (b @ b).exp()
+
+    outs = remat.checkpoint(region_name="two")(f)(a, b)
+    outs[0].sum().backward()
+    outs[1].sum().backward()
+    grads = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    ref = f(a, b)
+    ref[0].sum().backward()
+    ref[1].sum().backward()
+    assert torch.equal(grads[0], a.grad) and torch.equal(grads[1], b.grad)
 
 
 class CacheLength:

@@ -320,6 +320,32 @@ def test_tp_exception_during_replay(ctx: DistContext):
     _clean_step(ctx.mesh)
 
 
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_tp_replay_that_saves_other_tensors_on_one_rank(ctx: DistContext):
+    """Rank 1's replay of a block saves two tensors its forward did not (shifting
+    every later one) but runs to its end: the check at the replay's end finds the
+    first that differs, and every rank raises together instead of rank 1 alone."""
+    model = _model(ctx.mesh, "full")
+
+    def extra(module, args):
+        if remat.is_recomputing():
+            x = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
+            (x * x[..., :1]).sum()  # saves x and a column of it
+
+    if ctx.rank == 1:
+        model.layers[1].mlp.register_forward_pre_hook(extra)
+    loss = _loss(model)
+    err = _expect(
+        lambda: _backward_ops(loss),
+        remat.CollectiveReplayError,
+        "ranks [1]",
+        "checkpoint 'layers.1'",
+        "did not reproduce its forward",
+    )
+    _same_on_every_rank(str(err))
+    _clean_step(ctx.mesh)
+
+
 def _fsdp2_replay_raises_body(path):
     ctx = dist_context()
     model = _model(ctx.mesh, "full", tp=False)
