@@ -41,7 +41,6 @@ from remat_dist.distributed._intercept import (
     CollectiveCall,
     ObserverExtent,
     issued_by_fsdp,
-    push_observer,
 )
 from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
 from remat_dist.distributed._ready import dist_ready
@@ -300,7 +299,7 @@ class _LedgerObserver:
             state._extent = ObserverExtent(state, checked=True)
             record.extensions[LEDGER_KEY] = state
             return
-        state = ledger_of(record)
+        state = record.extensions.get(LEDGER_KEY)
         if state is None:
             return
         counts = {"issued": 0, "served": 0, "fsdp": 0}
@@ -312,7 +311,7 @@ class _LedgerObserver:
             # group at stake (checkpointing inside FSDP2's units): nothing to agree
             # on or verify; a collective this replay issues anyway is refused
             state._observer = _QuietReplay(record, state, counts)
-            state._extent = push_observer(state._observer)
+            state._extent = ObserverExtent(state._observer, checked=True)
             return
         if state.stakes:
             _step.current_step().replay_starts(state.stakes)
@@ -329,7 +328,7 @@ class _LedgerObserver:
                 "".join(f"\n  #{e.position}: {e.describe()}" for e in expected),
             )
         state._observer = _verifier(record, state, expected)
-        state._extent = push_observer(_SkipFSDP(state._observer, counts))
+        state._extent = ObserverExtent(_SkipFSDP(state._observer, counts), checked=True)
 
     def on_region_start(
         self, record: CheckpointRecord | None, region: RegionRecord, replay: bool
