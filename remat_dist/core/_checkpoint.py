@@ -394,13 +394,14 @@ class _Phase:
             # innermost: a replay's saved tensors are checked as they are saved
             # (and a forward's fingerprinted, with the value check on) by a hook
             # above torch's; otherwise all at once when the replay ends
-            if record.values_check or (
-                self.replay and record.options.determinism_check == "default"
-            ):
+            target = None
+            if self.replay and not record.values_check:
+                if record.options.determinism_check != "default":
+                    target = self._target = _standin.replay_target_here()
+            if record.values_check or (self.replay and target is None):
+                # (no frame to read at the end: torch's hook is not innermost)
                 tracker = self._tracker = _standin.Tracking(record)
                 tracker.__enter__()
-            elif self.replay:
-                self._target = _standin.replay_target_here()
         except BaseException:
             if self.replay:
                 record.phase = CheckpointPhase.REPLAY_FAILED

@@ -241,3 +241,18 @@ def test_another_error_raised_in_a_replay_keeps_its_type_and_gets_a_note():
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "raised while replaying checkpoint 'fragile' in backward" in notes
     assert "use_cache=False" in notes
+
+
+def test_a_replay_whose_frame_cannot_be_read_is_checked_per_tensor(monkeypatch):
+    """Where torch's recompute hook is not the innermost one at a replay's start (a
+    torch whose checkpoint changed), the replay is still checked: per saved tensor,
+    as with determinism_check="default", never not at all."""
+    from remat_dist.core import _standin
+
+    monkeypatch.setattr(_standin, "replay_target_here", lambda: None)
+    torch.manual_seed(0)
+    block = Block()
+    out = remat.checkpoint(region_name="layers.0")(block)(_x())
+    with pytest.raises(remat.ReplayMismatchError) as info:
+        out.sum().backward()
+    _assert_says(str(info.value), *_LONGER_CACHE, *_SAVED_AT)
