@@ -427,7 +427,8 @@ class _Phase:
                     stopped = exc_type is StopRecomputationError
                     if stopped or exc is None or isinstance(exc, Exception):
                         raised = None if stopped else exc
-                        mismatch = _replay_check.check_after_replay(record, target, raised)
+                        check = _replay_check.check_after_replay
+                        mismatch = check(record, target, raised)
                 if mismatch is not None:
                     phase = CheckpointPhase.REPLAY_FAILED
                     if _record.absorbs(record, mismatch):

@@ -121,7 +121,8 @@ def check_after_replay(
         kept = recomputed.data  # a WeakKeyDictionary's dict, in the order saved
         if len(kept) == done:  # every tensor kept: the values line up with meta
             # C loops only: this runs once per replay, between its kernels
-            if list(map(_SHAPE_DTYPE_DEVICE, kept.values())) == list(map(_FIRST3, meta[:done])):
+            got = list(map(_SHAPE_DTYPE_DEVICE, kept.values()))
+            if got == list(map(_FIRST3, meta[:done])):
                 return None
     for index, _, t in replayed_tensors(record, target):
         want = meta[index]
@@ -131,10 +132,13 @@ def check_after_replay(
         if raised is not None:
             site = _raise_site(raised)
             at = f"\n    at {site}" if site else ""
-            after = f"\n  found when the replay raised {type(raised).__name__}: {raised}{at}"
+            name = type(raised).__name__
+            after = f"\n  found when the replay raised {name}: {raised}{at}"
+        # the replay's tensors are kept detached: no node to name the op by
+        got_meta = (t.shape, t.dtype, t.device)
+        region = _region_of(record, index)
         error = ReplayMismatchError(
-            # the replay's tensors are kept detached: no node to name the op by
-            _message(record, index, want, (t.shape, t.dtype, t.device), _region_of(record, index), after)
+            _message(record, index, want, got_meta, region, after)
             + "\nTo stop the replay at that tensor and name the model line that saved "
             "it: determinism_check='default' (a check per saved tensor as the "
             "replay runs)."
