@@ -74,13 +74,19 @@ def _assert_says(msg: str, *fragments: str) -> None:
         assert fragment in msg, (fragment, msg)
 
 
+def _replay_error(block: nn.Module, **options) -> remat.ReplayMismatchError:
+    """The error backward raises through ``block`` checkpointed as 'layers.0'."""
+    out = remat.checkpoint(region_name="layers.0", **options)(block)(_x())
+    with pytest.raises(remat.ReplayMismatchError) as info:
+        out.sum().backward()
+    return info.value
+
+
 def test_a_cache_appended_to_on_replay_raises_a_clear_error():
     torch.manual_seed(0)
     block = Block()
-    out = remat.checkpoint(region_name="layers.0")(block)(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
-        out.sum().backward()
-    msg = str(info.value)
+    error = _replay_error(block)
+    msg = str(error)
     _assert_says(
         msg,
         "the replay of checkpoint 'layers.0' did not reproduce its forward",
@@ -91,18 +97,15 @@ def test_a_cache_appended_to_on_replay_raises_a_clear_error():
         "determinism_check='default'",  # how to get the model line
     )
     assert "saved at" not in msg
-    assert isinstance(info.value, tuc.CheckpointError)  # what torch raises here
+    assert isinstance(error, tuc.CheckpointError)  # what torch raises here
     assert all(p.grad is None for p in block.parameters())  # no gradient from it
 
 
 def test_determinism_check_default_names_the_model_line_that_saved_it():
     torch.manual_seed(0)
     block = Block()
-    run = remat.checkpoint(region_name="layers.0", determinism_check="default")(block)
-    out = run(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
-        out.sum().backward()
-    _assert_says(str(info.value), *_LONGER_CACHE, *_SAVED_AT)
+    error = _replay_error(block, determinism_check="default")
+    _assert_says(str(error), *_LONGER_CACHE, *_SAVED_AT)
     assert block.attention.proj.weight.grad is None
 
 
@@ -139,20 +142,16 @@ class ReshapingAttention(CachedAttention):
 
 
 def test_a_replay_that_fails_in_model_code_because_of_a_mismatch_raises_the_mismatch():
-    block = ReshapingAttention()
-    out = remat.checkpoint(region_name="layers.0")(block)(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
-        out.sum().backward()
-    msg = str(info.value)
+    error = _replay_error(ReshapingAttention())
     _assert_says(
-        msg,
+        str(error),
         "saved tensor #",
         "has another shape than on forward",
         "found when the replay raised RuntimeError",
         "return weights.reshape(2, 4, 4) @ k",  # where the model failed
         "use_cache=False",
     )
-    assert isinstance(info.value.__cause__, RuntimeError)  # the model's own error
+    assert isinstance(error.__cause__, RuntimeError)  # the model's own error
 
 
 def test_a_replay_for_a_second_backward_skips_what_the_first_freed():
@@ -253,8 +252,4 @@ def test_a_replay_whose_frame_cannot_be_read_is_checked_per_tensor(monkeypatch):
 
     monkeypatch.setattr(_standin, "replay_target_here", lambda: None)
     torch.manual_seed(0)
-    block = Block()
-    out = remat.checkpoint(region_name="layers.0")(block)(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
-        out.sum().backward()
-    _assert_says(str(info.value), *_LONGER_CACHE, *_SAVED_AT)
+    _assert_says(str(_replay_error(Block())), *_LONGER_CACHE, *_SAVED_AT)

@@ -326,14 +326,9 @@ def test_tp_replay_that_saves_other_tensors_on_one_rank(ctx: DistContext):
     every later one) but runs to its end: the check at the replay's end finds the
     first that differs, and every rank raises together instead of rank 1 alone."""
     model = _model(ctx.mesh, "full")
-
-    def extra(module, args):
-        if remat.is_recomputing():
-            x = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
-            (x * x[..., :1]).sum()  # saves x and a column of it
-
+    w = torch.ones(4, 4, requires_grad=True)
     if ctx.rank == 1:
-        model.layers[1].mlp.register_forward_pre_hook(extra)
+        _on_replay(model, 1, lambda: (w * w[..., :1]).sum())  # saves w and a column
     loss = _loss(model)
     err = _expect(
         lambda: _backward_ops(loss),
