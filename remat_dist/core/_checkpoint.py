@@ -357,6 +357,11 @@ class _Phase:
     ``retain_graph`` backward replays again).
     """
 
+    __slots__ = (
+        "record", "replay", "_site", "_tokens", "_outside", "_forward_done",
+        "_tracker", "_target",
+    )
+
     def __init__(
         self, record: CheckpointRecord, replay: bool, site: _standin.SaveSite | None = None
     ) -> None:
@@ -461,7 +466,11 @@ class _Phase:
                 self._outside = ()
                 record.phase = phase
                 done = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
-                if phase in done and not _autograd.graph_task_keeps_graph():
+                if (
+                    record.regions
+                    and phase in done
+                    and not _autograd.graph_task_keeps_graph()
+                ):
                     record.release_persisted()
             else:
                 record.phase = CheckpointPhase.WAITING

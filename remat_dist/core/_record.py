@@ -258,11 +258,10 @@ class CheckpointRecord:
     def note_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Remember the tensor arguments for :attr:`input_entries`, weakly: torch's
         frame keeps them alive as long as the checkpoint's graph."""
-        self._inputs = [
-            (i, _weak(t))
-            for i, t in enumerate((*args, *kwargs.values()) if kwargs else args)
-            if isinstance(t, _Tensor)
-        ]
+        inputs = self._inputs = []
+        for i, t in enumerate((*args, *kwargs.values()) if kwargs else args):
+            if isinstance(t, _Tensor):
+                inputs.append((i, _weak(t)))
 
     @property
     def replaying(self) -> bool:

@@ -48,24 +48,23 @@ _BATCH = 256
 class PlanDigest:
     """A running digest of plan entries (what one agreement compares).
 
-    Every checkpoint forward adds an entry, so adding one only keeps its encoding;
-    they are hashed :data:`_BATCH` at a time and when the value is read (a hash of
-    the concatenation, the same digest as hashing them one by one)."""
+    Every checkpoint forward adds an entry, so adding one only keeps it (frozen);
+    they are encoded and hashed :data:`_BATCH` at a time and when the value is
+    read (a hash of the concatenation, the same digest as hashing them one by
+    one)."""
 
     __slots__ = ("_hasher", "_unhashed", "_groups", "count", "head")
 
     def __init__(self) -> None:
         self._hasher = hashlib.sha256()
-        self._unhashed: list[bytes] = []
+        self._unhashed: list[tuple[Any, ...]] = []
         self._groups: dict[str, Any] = {}
         self.count = 0
         self.head: list[Any] = []
 
     def add(self, entry: Sequence[Any], group_fps: dict[str, str]) -> None:
         unhashed = self._unhashed
-        unhashed.append(
-            _encoded(entry) if isinstance(entry, tuple) else _encoded(_frozen(entry))
-        )
+        unhashed.append(entry if isinstance(entry, tuple) else _frozen(entry))
         if len(unhashed) >= _BATCH:
             self._hash_unhashed()
         for key, fp in group_fps.items():
@@ -78,7 +77,7 @@ class PlanDigest:
             self.head.append([*entry, group_fps])
 
     def _hash_unhashed(self) -> None:
-        self._hasher.update(b"".join(self._unhashed))
+        self._hasher.update(b"".join(map(_encoded, self._unhashed)))
         self._unhashed.clear()
 
     def value(self) -> str:

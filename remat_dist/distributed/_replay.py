@@ -285,9 +285,10 @@ class _QuietReplay:
 
 class _LedgerObserver:
     def on_checkpoint_start(self, record: CheckpointRecord, replay: bool) -> None:
-        if not dist_ready():
-            return
         if not replay:
+            step = _step.checkpoint_forward_starts()
+            if step is None:  # no process group
+                return
             # the ledger is made at the first collective (most forwards issue none)
             state = LedgerState(
                 _NO_COLLECTIVES,
@@ -295,18 +296,21 @@ class _LedgerObserver:
                 early_stop_enabled(),
             )
             state._meta = record.saved_meta
-            state._step = _step.checkpoint_forward_starts()
+            state._step = step
             state._extent = ObserverExtent(state, checked=True)
             record.extensions[LEDGER_KEY] = state
             return
         state = record.extensions.get(LEDGER_KEY)
         if state is None:
             return
+        quiet = not state.ledger.entries and not state.stakes
+        if not quiet and not dist_ready():
+            return
         counts = {"issued": 0, "served": 0, "fsdp": 0}
         if state.replays is _EMPTY_LIST:
             state.replays = []
         state.replays.append(counts)
-        if not state.ledger.entries and not state.stakes:
+        if quiet:
             # its forward issued no collective but FSDP2's own outside any FSDP
             # group at stake (checkpointing inside FSDP2's units): nothing to agree
             # on or verify; a collective this replay issues anyway is refused

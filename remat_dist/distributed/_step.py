@@ -438,8 +438,7 @@ _PROCESS = register_state("distributed.step", _StepProcess())
 
 
 def release_process_state() -> None:
-    """Close the side channels and drop the dispatch hooks (at interpreter exit:
-    ``_exit``)."""
+    """Close the side channels and drop the dispatch hooks (at interpreter exit)."""
     _PROCESS.close()
 
 
@@ -453,8 +452,7 @@ def reset_step_state(namespace: str) -> None:
 
 
 def current_step() -> StepState:
-    """This process's agreement state (made again when the process group is
-    destroyed and created again)."""
+    """This process's agreement state (made again for a new default process group)."""
     world = _c10d.default_group()
     state = _PROCESS.state
     if state is None or state.world() is not world:
@@ -464,10 +462,13 @@ def current_step() -> StepState:
     return state
 
 
-def checkpoint_forward_starts() -> StepState:
-    """:func:`current_step` at a checkpoint's forward: settles owed reports, stale hooks."""
+def checkpoint_forward_starts() -> StepState | None:
+    """:func:`current_step` at a checkpoint's forward: settles owed reports, stale
+    hooks. None without a process group."""
+    if (world := _c10d.default_group()) is None:
+        return None
     state = _PROCESS.state
-    if state is None or state.world() is not _c10d.default_group():
+    if state is None or state.world() is not world:
         state = current_step()
     if state.owed is not None or state.task is not None:
         state._settle_owed()
