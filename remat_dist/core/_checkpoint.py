@@ -241,7 +241,7 @@ def _run_checkpoint(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if hooks is None:
-        hooks = _record.default_state_hooks_for_checkpoint()
+        hooks = _SEAMS.hooks_provider()
     record = CheckpointRecord(name, hooks, options)
     record.values_check = _fingerprint.values_check_enabled(options)
     user_hooks = options.saved_tensors_hooks

@@ -259,7 +259,7 @@ def _sac_contexts() -> tuple[Any, Any]:
     forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
-    states = RuntimeStates(_record.default_state_hooks_for_checkpoint())
+    states = RuntimeStates(_record._SEAMS.hooks_provider())
     return RuntimeContext(forward, states, False), RuntimeContext(recompute, states, True)
 
 

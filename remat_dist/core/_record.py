@@ -225,13 +225,14 @@ class CheckpointRecord:
         self.state_hooks = tuple(state_hooks)
         self.entry_state: tuple[Any, ...] = ()
         self._input_entries: list[SavedEntry] | None = None
-        self._inputs: list[tuple[int, Any]] = []
+        self._inputs: Sequence[tuple[int, Any]] = ()
         self.options = options
         self.extensions: dict[str, Any] = {}
         self.phase = CheckpointPhase.FORWARD
         self.replay_count = 0
         self.replay_packs = 0
-        self.saved_meta: list[tuple[Any, ...]] = []
+        self.saved_meta: Sequence[tuple[Any, ...]] = ()
+        """torch's frame's list of what the forward saved (``_standin.note_forward``)."""
         self.values_check = False
         """Whether this checkpoint's replay compares values (decided at its
         forward: ``values_check_enabled``)."""
@@ -252,7 +253,7 @@ class CheckpointRecord:
                 for i, ref in self._inputs
                 if (t := ref()) is not None
             ]
-            self._inputs = []
+            self._inputs = ()
         return entries
 
     def note_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -400,7 +401,9 @@ class _Seams:
     one observer)."""
 
     observers: list[Any] = field(default_factory=list)
-    hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] | None = None
+    hooks_provider: Callable[[], tuple[RecomputeStateHook, ...]] = tuple
+    """What ``checkpoint`` calls for its state hooks when the caller passes none
+    (:func:`set_default_state_hooks_provider`; ``tuple``: none)."""
     hooks_extent: Callable[[], Any] | None = None
     """Opened while a ``saved_tensors_hooks`` pair is installed as torch's hooks
     (:func:`set_saved_hooks_extent`); returns an object with ``pop()``."""
@@ -454,7 +457,7 @@ def set_default_state_hooks_provider(
     The distributed layer installs one that returns the per-rank RNG hooks when a
     process group exists; the core alone uses none (torch_remat's behaviour).
     """
-    _SEAMS.hooks_provider = provider
+    _SEAMS.hooks_provider = tuple if provider is None else provider
 
 
 def set_saved_hooks_extent(opener: Callable[[], Any] | None) -> None:
@@ -468,8 +471,3 @@ def set_saved_hooks_extent(opener: Callable[[], Any] | None) -> None:
     when that happens at interpreter exit).
     """
     _SEAMS.hooks_extent = opener
-
-
-def default_state_hooks_for_checkpoint() -> tuple[RecomputeStateHook, ...]:
-    provider = _SEAMS.hooks_provider
-    return () if provider is None else provider()

@@ -180,7 +180,7 @@ def test_default_state_hooks_on_cpu_is_one_cpu_hook():
 def test_provider_without_process_group_keeps_the_cpu_generator(restore_provider):
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
     install_default_provider()
-    hooks = _record.default_state_hooks_for_checkpoint()
+    hooks = _record._SEAMS.hooks_provider()
     assert isinstance(hooks[0], CPURNGStateHook)
     if not torch.cuda.is_initialized():
         assert len(hooks) == 1

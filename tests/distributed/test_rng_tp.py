@@ -226,7 +226,7 @@ def test_tp_default_hooks_via_provider_replay_bitwise(ctx: DistContext) -> None:
     try:
         install_default_provider()
         # A gloo-only group is a CPU run: the default set is the CPU generator.
-        (hook,) = _record.default_state_hooks_for_checkpoint()
+        (hook,) = _record._SEAMS.hooks_provider()
         assert hook.generator is torch.default_generator
         _seed(stream, None, ctx.rank)
         ref = _run(blocks, "plain")
