@@ -101,6 +101,29 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp2_inplace_script_times_every_checkpoint_and_its_replay(tmp_path):
+    out = tmp_path / "inplace.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_fsdp2_inplace.py"), "--iters", "3",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows, blocks = result["rows"], result["config"]["n_layers"]
+    # one sample per block call and per replay: each checkpoint replays once a step
+    assert {p: r["samples"] for p, r in rows.items()} == dict.fromkeys(
+        ("forward pre", "forward post", "replay enter", "replay exit"), 3 * blocks
+    )
+    for piece in ("forward pre", "forward post"):
+        row = rows[piece]
+        assert row["excess_us"] == pytest.approx(row["remat_us"] - row["torch_us"])
+    assert rows["replay enter"]["torch_us"] is None  # torch has no such phase
+    assert "forward pre" in proc.stdout
+
+
+@pytest.mark.slow
 def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path):
     out = tmp_path / "tp.json"
     root = Path(__file__).resolve().parents[2]
