@@ -20,14 +20,23 @@ __all__ = [
 def default_group_initialized() -> bool:
     """``torch.distributed.is_initialized()`` without importing
     ``torch.distributed`` when nothing else has."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    return c10d is not None and c10d._world._default_pg is not None
+    return default_group() is not None
 
 
 def default_group() -> Any:
     """The default process group (``dist.group.WORLD``), None before it exists."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    return None if c10d is None else c10d._world._default_pg
+    c10d = _C10D.module
+    if c10d is None:
+        c10d = _C10D.module = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is None:
+            return None
+    return c10d._world._default_pg
+
+
+class _C10D:
+    module: Any = None
+    """c10d's module once imported (asked three times per checkpoint call: one
+    attribute read instead of a lookup in ``sys.modules``)."""
 
 
 def work_from_future(future: Any) -> Any:
