@@ -13,11 +13,13 @@ Per block call, for remat_dist and ``torch.utils.checkpoint`` interleaved:
   first line of the block's own ``forward``: the checkpoint's set-up;
 - **forward post**: from the block's ``forward`` returning to its forward hook:
   the checkpoint's wrap-up;
-- for remat_dist, **replay enter** and **replay exit**: its recompute context's
-  ``__enter__`` and ``__exit__`` (state restore, observers, the replay's check).
+- **backward**: from the gradient of the block's output to the gradient of its
+  input (tensor hooks on both): the replay, its set-up and check, and the
+  block's backward kernels, which are the same in both variants.
 
-Medians in microseconds, printed as a table and written as JSON. Timing wraps add
-about a microsecond each, the same in both variants; compare rows of one run.
+Medians in microseconds, and remat_dist's excess over torch's, printed as a table
+and written as JSON. Timing hooks add about a microsecond each, the same in both
+variants; compare rows of one run.
 
     python scripts/bench_fsdp2_inplace.py [--iters N] [--json PATH]
 """
@@ -39,7 +41,6 @@ def main() -> None:
     import torch.distributed as dist
 
     from remat_dist.cli.bench_dist import one_rank_fsdp2_bench
-    from remat_dist.core import _checkpoint
     from remat_dist.models import Block, make_batch
 
     config, build = one_rank_fsdp2_bench(port=29731)
@@ -48,10 +49,8 @@ def main() -> None:
     stamps: dict[str, int] = {}
     timing = {"on": False, "variant": ""}
     variants = ("torch", "remat_dist")
-    samples: dict[str, dict[str, list[int]]] = {
-        v: {"forward pre": [], "forward post": []} for v in variants
-    }
-    samples["remat_dist"].update({"replay enter": [], "replay exit": []})
+    pieces = ("forward pre", "forward post", "backward")
+    samples = {v: {p: [] for p in pieces} for v in variants}
 
     block_forward = Block.forward
 
@@ -62,26 +61,6 @@ def main() -> None:
         return out
 
     Block.forward = timed_forward  # type: ignore[method-assign]
-    enter, exit_ = _checkpoint._Phase.__enter__, _checkpoint._Phase.__exit__
-
-    def timed_enter(phase: Any) -> Any:
-        if not phase.replay or not timing["on"]:
-            return enter(phase)
-        t = clock()
-        out = enter(phase)
-        samples["remat_dist"]["replay enter"].append(clock() - t)
-        return out
-
-    def timed_exit(phase: Any, *exc: Any) -> Any:
-        if not phase.replay or not timing["on"]:
-            return exit_(phase, *exc)
-        t = clock()
-        out = exit_(phase, *exc)
-        samples["remat_dist"]["replay exit"].append(clock() - t)
-        return out
-
-    _checkpoint._Phase.__enter__ = timed_enter  # type: ignore[method-assign]
-    _checkpoint._Phase.__exit__ = timed_exit  # type: ignore[method-assign]
     try:
         models = {v: build(v) for v in variants}
         for variant, model in models.items():
@@ -92,10 +71,16 @@ def main() -> None:
 
                 def post(module: Any, inputs: Any, out: Any, variant: str = variant) -> None:
                     end = clock()
-                    if timing["on"] and timing["variant"] == variant:
-                        mine = samples[variant]
-                        mine["forward pre"].append(stamps["body start"] - stamps["pre hook"])
-                        mine["forward post"].append(end - stamps["body end"])
+                    if not (timing["on"] and timing["variant"] == variant):
+                        return
+                    mine = samples[variant]
+                    mine["forward pre"].append(stamps["body start"] - stamps["pre hook"])
+                    mine["forward post"].append(end - stamps["body end"])
+                    started: list[int] = []
+                    out.register_hook(lambda grad: started.append(clock()))
+                    inputs[0].register_hook(
+                        lambda grad: mine["backward"].append(clock() - started[0])
+                    )
 
                 block.register_forward_pre_hook(pre)  # after FSDP2's unshard
                 block.register_forward_hook(post, prepend=True)  # before its reshard
@@ -109,29 +94,23 @@ def main() -> None:
                 model.zero_grad(set_to_none=True)
     finally:
         Block.forward = block_forward  # type: ignore[method-assign]
-        _checkpoint._Phase.__enter__ = enter  # type: ignore[method-assign]
-        _checkpoint._Phase.__exit__ = exit_  # type: ignore[method-assign]
         dist.destroy_process_group()
 
     rows: dict[str, dict[str, Any]] = {}
-    for piece in ("forward pre", "forward post", "replay enter", "replay exit"):
-        mine = samples["remat_dist"][piece]
-        theirs = samples["torch"].get(piece)
-        us = statistics.median(mine) / 1e3
-        ref = statistics.median(theirs) / 1e3 if theirs else None
+    for piece in pieces:
+        mine, theirs = samples["remat_dist"][piece], samples["torch"][piece]
+        us, ref = statistics.median(mine) / 1e3, statistics.median(theirs) / 1e3
         rows[piece] = {
-            "samples": len(mine),
+            "samples": {"remat_dist": len(mine), "torch": len(theirs)},
             "remat_us": us,
             "torch_us": ref,
-            "excess_us": None if ref is None else us - ref,
+            "excess_us": us - ref,
         }
     print(f"{'piece':14s} {'remat us':>9s} {'torch us':>9s} {'excess us':>10s}")
     for piece, row in rows.items():
-        ref, excess = row["torch_us"], row["excess_us"]
         print(
-            f"{piece:14s} {row['remat_us']:9.1f} "
-            f"{'-' if ref is None else f'{ref:.1f}':>9s} "
-            f"{'-' if excess is None else f'{excess:+.1f}':>10s}"
+            f"{piece:14s} {row['remat_us']:9.1f} {row['torch_us']:9.1f} "
+            f"{row['excess_us']:+10.1f}"
         )
     print(f"({args.iters} steps of {config.n_layers} checkpoints each, medians)")
     if args.json:
