@@ -40,3 +40,17 @@ def test_one_entry_more_another_order_or_another_last_entry_changes_the_digest()
     assert longer.value() != reference.value()
     assert swapped.value() != reference.value()
     assert last.value() != reference.value()
+
+
+def test_an_entry_changed_after_it_was_added_does_not_change_the_digest():
+    # entries are kept until their batch is hashed: a plan given as a list (a
+    # checkpoint with regions) is frozen when added, not when hashed
+    plan = ["layers.0", None, [["attention", "save"]]]
+    kept, reference = PlanDigest(), PlanDigest()
+    kept.add(plan, {})
+    reference.add(["layers.0", None, [["attention", "save"]]], {})
+    plan[2][0][1] = "recompute"
+    assert kept.value() == reference.value()
+    changed = PlanDigest()
+    changed.add(plan, {})
+    assert changed.value() != reference.value()
