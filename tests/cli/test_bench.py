@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,17 +76,22 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
     assert columns["selective (save matmuls)"] < columns["none"]
 
 
-@pytest.mark.slow
-def test_fsdp2_overhead_script_writes_json(tmp_path):
-    out = tmp_path / "fsdp2.json"
+def _run_bench_script(name: str, tmp_path: Path, *args: str) -> tuple[Any, Any]:
+    """Run ``scripts/<name>.py --iters 3`` with ``args``; its process and its JSON."""
+    out = tmp_path / f"{name}.json"
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_fsdp2_overhead.py"), "--iters", "3",
-         "--split", "--json", str(out)],
+        [sys.executable, str(root / "scripts" / f"{name}.py"), "--iters", "3", *args,
+         "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_fsdp2_overhead_script_writes_json(tmp_path):
+    proc, result = _run_bench_script("bench_fsdp2_overhead", tmp_path, "--split")
     # --split: the same table again for remat_dist without the distributed observers
     assert "remat_dist, no observers:" in proc.stdout
     for rows in (result["rows"], result["split_rows"]):
@@ -102,15 +108,7 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_inplace_script_times_every_checkpoint_and_its_replay(tmp_path):
-    out = tmp_path / "inplace.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_fsdp2_inplace.py"), "--iters", "3",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    proc, result = _run_bench_script("bench_fsdp2_inplace", tmp_path)
     rows, blocks = result["rows"], result["config"]["n_layers"]
     # one sample per block call, forward and backward, in both variants
     per_variant = {"remat_dist": 3 * blocks, "torch": 3 * blocks}
@@ -126,15 +124,7 @@ def test_fsdp2_inplace_script_times_every_checkpoint_and_its_replay(tmp_path):
 
 @pytest.mark.slow
 def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path):
-    out = tmp_path / "tp.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_tp_overhead.py"), "--iters", "3",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    _, result = _run_bench_script("bench_tp_overhead", tmp_path)
     assert result["world_size"] == 2 and set(result["rows"]) == {"cpu", "wall"}
     counts = result["collectives_per_step"]
     # the replay re-issues the forward's collectives: the same ones as torch's
