@@ -15,6 +15,7 @@ to the wrapping layer.
 
 import remat_dist._logging  # noqa: F401  (quiet by default; REMAT_DIST_LOG=info)
 from remat_dist._errors import (
+    AgreementSetupError,
     CollectiveReplayError,
     PlaceholderAccessError,
     PlanMismatchError,
@@ -152,4 +153,5 @@ __all__ = [
     "CollectiveReplayError",
     "ReplayValueMismatchError",
     "PlanMismatchError",
+    "AgreementSetupError",
 ]

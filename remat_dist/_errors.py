@@ -15,6 +15,7 @@ __all__ = [
     "PlaceholderAccessError",
     "CollectiveReplayError",
     "PlanMismatchError",
+    "AgreementSetupError",
     "ReplayMismatchError",
     "ReplayValueMismatchError",
 ]
@@ -47,6 +48,17 @@ class CollectiveReplayError(RematError):
 
 class PlanMismatchError(RematError):
     """Ranks disagree on the sequence of checkpoints/regions or their decisions."""
+
+
+class AgreementSetupError(RematError):
+    """The ranks at stake could not set up the gloo group their agreement runs on:
+    every rank came, but some could not connect to others.
+
+    The message names the ranks, where each one's gloo listens (the interface or
+    the address its host name resolves to) and gloo's own error; the fix is the
+    network's (``GLOO_SOCKET_IFNAME``, the host name's address, a firewall), not
+    the plan's.
+    """
 
 
 class ReplayMismatchError(RematError, CheckpointError):
@@ -85,6 +97,7 @@ for _cls in (
     PlaceholderAccessError,
     CollectiveReplayError,
     PlanMismatchError,
+    AgreementSetupError,
     ReplayMismatchError,
     ReplayValueMismatchError,
 ):

@@ -106,6 +106,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "CollectiveReplayError",
             "ReplayValueMismatchError",
             "PlanMismatchError",
+            "AgreementSetupError",
         ],
     ),
 ]

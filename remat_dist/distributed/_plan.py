@@ -21,7 +21,6 @@ __all__ = [
     "explain",
     "failure_text",
     "fix_text",
-    "plans_differ",
 ]
 
 HEAD_ENTRIES = 64
@@ -117,14 +116,6 @@ def fix_text() -> str:
         "region(..., recompute=...), collectives= and the checkpointed blocks from "
         "configuration shared by all ranks."
     )
-
-
-def plans_differ(values: dict[int, str]) -> bool:
-    """Judge of a store round over :meth:`PlanDigest.value` strings."""
-    plans = {json.loads(v)["p"] for v in values.values()}
-    if len(plans) > 1:
-        return True
-    return bool(_group_mismatches({r: json.loads(v)["g"] for r, v in values.items()}))
 
 
 def _group_mismatches(groups: dict[int, dict[str, str]]) -> list[str]:
@@ -231,8 +222,10 @@ def _fp_text(v: str) -> str:
 def failure_text(
     rank: int, stake: tuple[int, ...], f: Any, what: str, timeout: float
 ) -> str:
-    """The message of a round that failed (a ``ChannelFailure``, or a store round's
-    timeout in the same shape): who did not come, who gave up first, the fix."""
+    """The message of a round that failed (a ``RoundFailure``): who did not come,
+    who gave up first, or who could not reach whom, and the fix."""
+    if f.reason == "setup":
+        return f"rank {rank}: {what} could not start: {f}."
     if f.reason == "aborted":
         who = f"ranks {f.missing}" if f.missing else "some rank(s)"
         head = (
@@ -246,6 +239,13 @@ def failure_text(
         head = f"rank {rank}: {what} could not complete: {f}"
     else:
         head = f"rank {rank}: {what} is out of step: {f}"
+    late = getattr(f, "came_late", None)
+    if late is not None:
+        head += (
+            f" (this rank came late: rank {late.by} had given up on the round "
+            "before it came; its peers did not meet it on the stake's next group "
+            "either)"
+        )
     return (
         f"{head}: they stalled, died, raised earlier in this step, or run another "
         "number of steps. No rank of them issued a collective of this backward "

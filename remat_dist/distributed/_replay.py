@@ -407,7 +407,7 @@ class _LedgerObserver:
                     return
                 by_stake = stakes_of(state)
                 state.stakes = tuple(sorted(by_stake))
-                _step.current_step().add_checkpoint(plan_of(record), by_stake)
+                _step.current_step().add_checkpoint(record, plan_of(record), by_stake)
             return
         if isinstance(observer, _QuietReplay):
             observer = observer.verifier

@@ -23,17 +23,18 @@ one micro-batch of a pipeline schedule)::
               CollectiveReplayError, before the optimizer step
 
 Nothing at stake (FSDP2 or DDP with checkpoints inside the units): no agreement,
-report, message or store request. The rounds run on a side channel per stake
-(``_channel``: direct links among its ranks, ``log2(n)`` hops); the c10d store
-sees the channel's setup and slow or failed rounds only. Because the
+report, operation or store request. The rounds run on a gloo group per stake, made
+by the stake's ranks only (``_stake_group``: one ``all_reduce`` per round); the
+c10d store sees the group's set-up and slow or failed rounds only. Because the
 pending plan is keyed by stake and drained by the first graph task that needs it,
 several graphs alive at once (pipeline schedules, gradient accumulation) each agree
-once, and pipeline stages never wait on each other.
+once, and pipeline stages never wait on each other. A pending plan holds only the
+checkpoints whose graph is still alive: a forward whose backward never ran (the
+step raised after it, and its loss was dropped) is not agreed on in the next.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import weakref
@@ -42,20 +43,27 @@ from typing import Any
 
 import torch
 
-from remat_dist._errors import CollectiveReplayError, PlanMismatchError
+from remat_dist._errors import (
+    AgreementSetupError,
+    CollectiveReplayError,
+    PlanMismatchError,
+)
 from remat_dist._logging import get_logger
 from remat_dist._state import register_state
 from remat_dist._torch import _autograd, _c10d
-from remat_dist.distributed._channel import (
-    ChannelFailure,
-    SideChannel,
-    all_equal,
-    check_tag,
-    tagged_words,
-)
 from remat_dist.distributed._intercept import set_step_hooks, step_hooks_set
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
+from remat_dist.distributed._stake_group import (
+    RoundFailure,
+    StakeGroup,
+    all_equal,
+    check_tag,
+    current_generation,
+    release_retired,
+    stake_base,
+    tagged_words,
+)
 from remat_dist.distributed._value_texts import report_error_class
 
 __all__ = [
@@ -77,7 +85,12 @@ _graph_task_id = _autograd.current_graph_task_id
 
 Stake = tuple[int, ...]
 
-_AGREE, _REPORT = 1, 2
+_AGREE, _REPORT, _CHECK = 1, 2, 3
+_KINDS = {
+    _AGREE: "a plan agreement",
+    _REPORT: "an end-of-backward report",
+    _CHECK: "check_plan_consistency()",
+}
 
 
 def set_replay_timeout(seconds: float) -> None:
@@ -93,20 +106,30 @@ def replay_timeout() -> float:
 
 @dataclass
 class _StakeState:
-    """One stake's pending plan, note and side channel."""
+    """One stake's pending plan, note and gloo group."""
 
     ranks: Stake
-    pending: PlanDigest = field(default_factory=PlanDigest)
+    base: str
+    """The stake's key in the store (its groups' generations live under it)."""
+    pending: list[tuple[Any, Any, dict[str, str]]] = field(default_factory=list)
+    """Per checkpoint forward since the last agreement: a weak reference to its
+    record (alive while its graph is), its plan entry, its fingerprints."""
     noted: bool = False
-    rounds: int = 0
-    """Rounds run (on every member alike): a channel is named by the round it
-    was made for, so members that replace a failed one meet on the new one."""
-    channel: SideChannel | None = None
+    group: StakeGroup | None = None
     agreements: int = 0
     reports: int = 0
 
     def needs_agreement(self) -> bool:
-        return self.noted or self.pending.count > 0
+        return self.noted or bool(self.pending)
+
+    def take_plan(self) -> PlanDigest:
+        """The pending plan of the checkpoints whose graph is alive (drained)."""
+        plan = PlanDigest()
+        for ref, entry, fps in self.pending:
+            if ref() is not None:
+                plan.add(entry, fps)
+        self.pending = []
+        return plan
 
 
 @dataclass
@@ -126,9 +149,12 @@ class StepStats:
 
     agreements: int = 0
     reports: int = 0
-    messages: int = 0
+    operations: int = 0
+    """gloo operations this rank issued on its stakes' groups (one per round)."""
     store_requests: int = 0
-    channels: int = 0
+    """Requests to the c10d store: group set-up and slow or failed rounds only."""
+    groups: int = 0
+    """Stake groups this rank made (one per stake, one more after each failure)."""
 
 
 class StepState:
@@ -148,8 +174,10 @@ class StepState:
         self.noting = False
         self.stats = StepStats()
         self.full = PlanDigest()  # every checkpoint since check_plan_consistency()
-        self.checks: dict[str, Any] = {}
-        """Per group name: its ``check_plan_consistency`` store round (``_check``)."""
+        self.condemned: list[Any] = []
+        """Weak references to the records of a forward whose plan check raised on
+        this rank: a backward through one of them raises before its first
+        collective; once they died (the step was dropped) they are forgotten."""
         # backward may run on the engine's device threads: one transition at a time
         self._lock = threading.RLock()
 
@@ -172,24 +200,40 @@ class StepState:
                 self._hooks()
 
     def add_checkpoint(
-        self, entry: list[Any], by_stake: dict[Stake, dict[str, str]]
+        self, record: Any, entry: list[Any], by_stake: dict[Stake, dict[str, str]]
     ) -> None:
         """A checkpoint's forward ended: ``entry`` is its plan, ``by_stake`` its
-        ledger's fingerprint per process group, grouped by the groups' ranks."""
+        ledger's fingerprint per process group, grouped by the groups' ranks;
+        ``record`` (held weakly) lives as long as its graph."""
         self.full.add(
             entry, {k: v for fps in by_stake.values() for k, v in fps.items()}
         )
+        ref = None
         for stake, fps in by_stake.items():
             if len(stake) > 1 and self.rank in stake:
-                self._stake(stake).pending.add(entry, fps)
+                ref = ref or weakref.ref(record)
+                self._stake(stake).pending.append((ref, entry, fps))
         if by_stake:
             self._hooks()
 
     def _stake(self, stake: Stake) -> _StakeState:
         state = self.stakes.get(stake)
         if state is None:
-            state = self.stakes[stake] = _StakeState(stake)
+            base = stake_base(self.namespace, stake)
+            state = self.stakes[stake] = _StakeState(stake, base)
         return state
+
+    def plan_check_failed(self) -> None:
+        """``check_plan_consistency()`` raised here: this rank's pending plans are
+        not agreed on (the step is dropped on every rank that took part), and a
+        backward through them raises before its first collective."""
+        for state in self.stakes.values():
+            self.condemned.extend(
+                ref for ref, _, _ in state.pending if ref() is not None
+            )
+            state.pending, state.noted = [], False
+        self.noting = False
+        self._hooks()
 
     # -- backward
     def in_backward(self) -> float | None:
@@ -227,7 +271,23 @@ class StepState:
             self.owed = previous  # it raised before its end
         self._settle_owed()
         task = self.task = _Task(tid)
-        need = sorted(s for s, st in self.stakes.items() if st.needs_agreement())
+        condemned, self.condemned = self.condemned, []
+        if any(ref() is not None for ref in condemned):
+            self._hooks()
+            raise PlanMismatchError(
+                f"rank {self.rank}: this backward runs a forward whose "
+                "check_plan_consistency() raised on this rank; its replays cannot "
+                "be agreed on. Fix: drop the step (do not call backward after the "
+                "check raised; zero the gradients) and run the next one."
+            )
+        # plans of graphs that died unreplayed (a step that raised after its
+        # forward) are dropped alike on every rank: no agreement for them alone
+        plans = {
+            s: (st.take_plan(), st.noted)
+            for s, st in sorted(self.stakes.items())
+            if st.needs_agreement()
+        }
+        need = [s for s, (plan, noted) in plans.items() if plan.count or noted]
         self.noting = False
         if not need:
             self._hooks()
@@ -235,9 +295,9 @@ class StepState:
         errors: list[BaseException] = []
         for stake in need:
             try:
-                self._agree(stake)
+                self._agree(stake, plans[stake][0])
                 task.report.add(stake)
-            except PlanMismatchError as e:
+            except (PlanMismatchError, AgreementSetupError) as e:
                 errors.append(e)
         if task.report:
             self._queue_end(task)
@@ -252,69 +312,101 @@ class StepState:
             _queue_callback(lambda: self._end(task))
 
     # -- the rounds
-    def _make_channel(self, state: _StakeState, index: int) -> SideChannel:
-        digest = hashlib.sha1(",".join(map(str, state.ranks)).encode()).hexdigest()[:12]
-        key = f"remat_dist/ch/{self.namespace}/{digest}/{index}"
-        state.channel = None
-        ch = SideChannel(state.ranks, self.rank, self.store, key, _PROCESS.timeout)
-        state.channel = ch
-        self.stats.channels += 1
-        return ch
+    def _make_group(self, state: _StakeState) -> StakeGroup:
+        """The stake's group of the current generation (read from the store: the
+        first group, or the next after a failure)."""
+        release_retired()
+        expected = 0 if state.group is None else state.group.gen + 1
+        gen = current_generation(self.store, state.base)
+        group = StakeGroup(state.ranks, self.rank, self.store, state.base, gen)
+        group.store_requests += 1
+        if gen > expected:  # its ranks gave up on a group this rank never joined
+            group.missed = group.abort_of(gen - 1)
+        state.group = group
+        self.stats.groups += 1
+        return group
 
-    def _count(self, ch: SideChannel) -> None:
-        self.stats.messages += ch.messages
-        self.stats.store_requests += ch.store_requests
-        ch.messages = ch.store_requests = 0
+    def _count(self, group: StakeGroup) -> None:
+        self.stats.operations += group.rounds
+        self.stats.store_requests += group.store_requests
+        group.rounds = group.store_requests = 0
 
-    def _round(self, state: _StakeState, fn: Any) -> Any:
-        """Run ``fn(channel)`` as this stake's next round; a channel aborted in a
-        round this rank completed is replaced and the round run again on the new
-        one (where the rank that aborted meets it)."""
-        index = state.rounds
-        state.rounds += 1
-        for attempt in range(2):
-            ch = state.channel
-            if ch is None or ch.broken:
-                ch = self._make_channel(state, index)
+    def _round(self, state: _StakeState, kind: int, fn: Any) -> Any:
+        """Run ``fn(group)`` as this stake's next round. A rank that finds the
+        round aborted before it came (it took no part in it) runs it again on
+        the stake's next group, where its peers meet it in their next round."""
+        late: RoundFailure | None = None
+        for _ in range(2):
+            group = state.group
+            if group is None or group.broken:
+                group = self._make_group(state)
+                late = late or group.missed
             try:
-                return fn(ch)
-            except ChannelFailure as f:
-                if not (f.stale and attempt == 0):
+                return fn(group)
+            except RoundFailure as f:
+                if late is not None:
+                    f.came_late = late  # type: ignore[attr-defined]
+                if not f.late or late is not None:
                     raise
+                late = f
+                log.info(
+                    "%s of ranks %s: the ranks gave up on this round before this "
+                    "rank came; running it on the stake's next group",
+                    _KINDS[kind],
+                    list(state.ranks),
+                )
             finally:
-                self._count(ch)
+                self._count(group)
         raise AssertionError("unreachable")
 
-    def _agree(self, stake: Stake) -> None:
+    def run_round(
+        self, stake: Stake, kind: int, words: list[int], explain_with: bytes
+    ) -> dict[int, bytes] | None:
+        """One round of ``kind`` among ``stake``: None when every rank sent equal
+        ``words`` (a report: when no rank's first word is set), else every rank's
+        ``explain_with``. Raises :class:`RoundFailure` (the round failed) with
+        ``reason="out of step"`` where the ranks ran rounds of different kinds."""
+        state = self._stake(stake)
+        tagged = tagged_words(kind, words)
+        got = self._round(state, kind, lambda g: g.reduce_max(tagged, _PROCESS.timeout))
+        check_tag(got, kind, stake, _KINDS)
+        if got[2] == 0 if kind == _REPORT else all_equal(got[2:], words):
+            return None
+        return self._round(
+            state, kind, lambda g: g.gather(explain_with, _PROCESS.timeout)
+        )
+
+    def round_error(
+        self, stake: Stake, f: RoundFailure, what: str, kind: type
+    ) -> Exception:
+        """The error every rank raises for a round that failed: ``kind`` (the
+        round's own error) or, for a group that could not be set up,
+        :class:`AgreementSetupError`."""
+        text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
+        log.error("%s", text)
+        return (AgreementSetupError if f.reason == "setup" else kind)(text)
+
+    def _agree(self, stake: Stake, plan: PlanDigest) -> None:
         state = self.stakes[stake]
-        plan, state.pending, state.noted = state.pending, PlanDigest(), False
-        words = plan.words()
+        state.noted = False
         state.agreements += 1
         self.stats.agreements += 1
         what = f"the plan agreement of ranks {list(stake)}"
         try:
-            got = self._round(
-                state,
-                lambda ch: ch.reduce_max(tagged_words(_AGREE, words), _PROCESS.timeout),
+            got_all = self.run_round(stake, _AGREE, plan.words(), plan.payload())
+        except RoundFailure as f:
+            raise self.round_error(stake, f, what, PlanMismatchError) from None
+        if got_all is None:
+            group = state.group
+            log.info(
+                "%s: %d checkpoint(s) agreed in %.2f ms (%d gloo operations by "
+                "this rank so far)",
+                what,
+                plan.count,
+                group.last_round_s * 1e3 if group else 0.0,
+                self.stats.operations,
             )
-            check_tag(got, _AGREE, stake)
-            if all_equal(got[2:], words):
-                log.info(
-                    "%s: %d checkpoint(s) agreed in %.2f ms (%d side-channel "
-                    "messages by this rank so far)",
-                    what,
-                    plan.count,
-                    state.channel.last_round_s * 1e3 if state.channel else 0.0,
-                    self.stats.messages,
-                )
-                return
-            got_all = self._round(
-                state, lambda ch: ch.gather(plan.payload(), _PROCESS.timeout)
-            )
-        except ChannelFailure as f:
-            text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
-            log.error("%s", text)
-            raise PlanMismatchError(text) from None
+            return
         text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
         log.error("%s", text)
         raise PlanMismatchError(text)
@@ -338,26 +430,15 @@ class StepState:
                 continue
             state.reports += 1
             self.stats.reports += 1
-            flag = 0 if failure is None else 1
+            # [failed, 0]: the maximum says whether any rank failed
+            flags = [0, 0] if failure is None else [1, 0]
             what = f"the end-of-backward report of ranks {list(stake)}"
             try:
-                got = self._round(
-                    state,
-                    lambda ch, f=flag: ch.reduce_max(
-                        tagged_words(_REPORT, [f]), _PROCESS.timeout
-                    ),
-                )
-                check_tag(got, _REPORT, stake)
-                if got[2] == 0:
-                    continue
-                msg = (failure or "").encode()
-                msgs = self._round(
-                    state, lambda ch, m=msg: ch.gather(m, _PROCESS.timeout)
-                )
-            except ChannelFailure as f:
-                text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
-                log.error("%s", text)
-                errors.append(CollectiveReplayError(text))
+                msgs = self.run_round(stake, _REPORT, flags, (failure or "").encode())
+            except RoundFailure as f:
+                errors.append(self.round_error(stake, f, what, CollectiveReplayError))
+                continue
+            if msgs is None:
                 continue
             failed = sorted(r for r, m in msgs.items() if m)
             reports = "\n".join(f"[rank {r}] {msgs[r].decode()}" for r in failed)
@@ -388,13 +469,14 @@ class StepState:
             self._report(
                 owed, f"rank {self.rank}: backward raised before the end of the step"
             )
-        except (CollectiveReplayError, PlanMismatchError):
+        except (CollectiveReplayError, AgreementSetupError):
             pass
 
     def _hooks(self) -> None:
         """Intercept collectives only while something needs it."""
         active = (
             self.noting
+            or bool(self.condemned)
             or any(s.needs_agreement() for s in self.stakes.values())
             or (
                 self.task is not None and bool(self.task.report) and not self.task.ended
@@ -407,10 +489,10 @@ class StepState:
 
     def close(self) -> None:
         for state in self.stakes.values():
-            if state.channel is not None:
-                self._count(state.channel)
-                state.channel.close()
-                state.channel = None
+            if state.group is not None:
+                self._count(state.group)
+                state.group.close()
+                state.group = None
 
 
 @dataclass
@@ -423,7 +505,7 @@ class _StepProcess:
     timeout: float = REPLAY_TIMEOUT_S
 
     def close(self) -> None:
-        """Close the side channels and drop the dispatch hooks."""
+        """Drop the stakes' gloo groups and the dispatch hooks."""
         if self.state is not None:
             self.state.close()
         self.state = None
@@ -438,12 +520,14 @@ _PROCESS = register_state("distributed.step", _StepProcess())
 
 
 def release_process_state() -> None:
-    """Close the side channels and drop the dispatch hooks (at interpreter exit)."""
+    """Drop the stakes' gloo groups and the dispatch hooks (at interpreter exit,
+    while the interpreter is whole: a gloo group freed in finalization aborts)."""
     _PROCESS.close()
+    release_retired(wait=True)
 
 
 def reset_step_state(namespace: str) -> None:
-    """Forget this process's agreement state and close its side channels; later
+    """Forget this process's agreement state and drop its stake groups; later
     rounds use the store key space ``namespace``, which must be the same on every
     rank. For long-lived processes that run unrelated jobs in turn (a test
     harness), or to start clean after an error left the ranks out of step."""
@@ -478,14 +562,14 @@ def checkpoint_forward_starts() -> StepState | None:
 
 
 def step_stats() -> StepStats:
-    """What the agreements and reports cost this process so far: rounds, side-channel
-    messages sent, store requests (channel set-up and slow rounds only)."""
+    """What the agreements and reports cost this process so far: rounds, gloo
+    operations issued, store requests (group set-up and slow rounds only)."""
     state = _PROCESS.state
     if state is None:
         return StepStats()
     for s in state.stakes.values():
-        if s.channel is not None:
-            state._count(s.channel)
+        if s.group is not None:
+            state._count(s.group)
     return StepStats(**vars(state.stats))
 
 

@@ -32,7 +32,6 @@ from remat_dist.distributed._collectives import (
     interception_key,
     observe_collectives,
 )
-from remat_dist.distributed._store_round import RoundTimeout, StoreRound
 from remat_dist.testing import distributed
 
 
@@ -42,14 +41,6 @@ def _seq(group=None) -> int:
 
 def _ops(ledger: CollectiveLedger) -> list[str]:
     return [e.op for e in ledger]
-
-
-def _round(ctx) -> StoreRound:
-    # shared_dir is unique per call and equal on every rank: a fresh key space.
-    from torch.distributed import distributed_c10d as c10d
-
-    store = dist.PrefixStore(f"test{ctx.shared_dir}", c10d._get_default_store())
-    return StoreRound(store, tuple(range(ctx.world_size)), ctx.rank)
 
 
 def _healthy(ctx) -> None:
@@ -591,60 +582,6 @@ def test_serve_tensor_parallel_forward_and_backward(ctx):
     assert _seq(mesh.get_group()) - s0 == 0 and s.served == len(rec.ledger) == 4
     assert torch.equal(out0, out1)
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
-
-
-# ------------------------------------------------------------------- store rounds
-
-
-@distributed(world_size=2)
-def test_store_rounds_pass_and_judge_on_every_rank(ctx):
-    rnd = _round(ctx)
-    for _ in range(3):
-        assert rnd.exchange("abc", timeout=20.0) is None
-        assert rnd.report(None, timeout=20.0) is None
-    t0 = time.perf_counter()
-    values = rnd.exchange("abc" if ctx.rank == 0 else "def", timeout=20.0)
-    assert time.perf_counter() - t0 < 5.0  # a verdict, not the timeout
-    assert values == {0: "abc", 1: "def"}
-    failures = rnd.report("boom on rank 1" if ctx.rank == 1 else None, timeout=20.0)
-    assert failures == {1: "boom on rank 1"}
-    # fault-free costs per rank: an exchange 4 store requests, a report 3 (the
-    # last rank to arrive makes a few more to judge and reset)
-    before = rnd.requests
-    rnd.exchange("x", timeout=20.0)
-    rnd.report(None, timeout=20.0)
-    assert rnd.requests - before <= 12
-    _healthy(ctx)
-
-
-@distributed(world_size=2)
-def test_store_round_times_out_and_a_late_rank_reads_the_abort(ctx):
-    rnd = _round(ctx)
-    if ctx.rank == 0:
-        t0 = time.perf_counter()
-        with pytest.raises(RoundTimeout) as info:
-            rnd.exchange("abc", timeout=1.0)
-        assert 0.9 < time.perf_counter() - t0 < 5.0
-        assert info.value.missing == [1] and info.value.by is None
-    ctx.barrier()
-    if ctx.rank == 1:  # arrives after rank 0 gave up: raises at once, too
-        t0 = time.perf_counter()
-        with pytest.raises(RoundTimeout) as info:
-            rnd.exchange("abc", timeout=20.0)
-        assert time.perf_counter() - t0 < 1.0
-        assert info.value.by == 0
-    assert rnd.exchange("next", timeout=20.0) is None  # rounds still aligned
-
-
-@distributed(world_size=2)
-def test_store_rounds_delete_what_every_rank_has_left(ctx):
-    rnd = _round(ctx)
-    for i in range(6):
-        rnd.exchange(f"v{i}", timeout=20.0)
-    ctx.barrier()
-    st = rnd.store
-    assert not any(st.check([k]) for k in ("n/0", "d/0", "v/0/0", "v/3/1", "n/3"))
-    assert st.check(["n/5", "d/5", f"v/5/{ctx.rank}"])
 
 
 # -------------------------------------------------- divergence in the middle of a replay

@@ -145,7 +145,7 @@ def test_two_stages_bitwise(ctx: DistContext, schedule_name):
     )
     # nothing is at stake (no collective inside a block): no round at all
     assert after.agreements == before.agreements
-    assert after.messages == before.messages
+    assert after.operations == before.operations
     assert after.store_requests == before.store_requests
 
 
@@ -183,9 +183,9 @@ def test_pp_x_tp_bitwise_and_stages_agree_apart(ctx: DistContext, schedule_name)
     d = {k: getattr(after, k) - getattr(before, k) for k in vars(after)}
     assert d["reports"] >= 2 * MICRO_BATCHES, d
     assert 2 <= d["agreements"] <= d["reports"], d
-    # one side channel, made once; a 2-rank round is one message each way
-    assert d["channels"] == 1, d
-    assert d["messages"] == d["agreements"] + d["reports"], d
+    # one gloo group for the stake, made once; a round is one all_reduce
+    assert d["groups"] == 1, d
+    assert d["operations"] == d["agreements"] + d["reports"], d
 
 
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"))
@@ -206,7 +206,7 @@ def test_pp_x_fsdp2_bitwise_without_rounds(ctx: DistContext):
     )
     assert after.agreements == before.agreements
     assert after.reports == before.reports
-    assert after.messages == before.messages
+    assert after.operations == before.operations
 
 
 @pytest.mark.slow
