@@ -135,7 +135,7 @@ class StakeGroup:
         dist = self._dist
         abort = self._read_abort()
         if abort is not None:  # its ranks gave up on it before this rank came
-            raise _aborted(abort, self.rank)
+            raise self._aborted(abort)
         self._post(f"{self.key}/here/{self.index}", _where())
         try:
             self._pg = dist.ProcessGroupGloo(
@@ -150,17 +150,16 @@ class StakeGroup:
 
     def _setup_failure(self, error: RuntimeError, timeout: float) -> RoundFailure:
         """gloo's rendezvous failed: the ranks that never came (no ``here`` key)
-        are missing; if every rank came, some could not connect."""
+        are missing; if every rank came, some could not connect (the first rank
+        to find it posts why, for the others to say too)."""
         if self._absent("here"):
             return self._give_up(_SETUP, timeout)
         where = {}
         for i, r in enumerate(self.ranks):
             got = self._quiet("get", f"{self.key}/here/{i}")
             where[r] = got.decode() if got else "?"
-        self._post_abort(_SETUP, [])
         peers = "; ".join(f"rank {r}: {w}" for r, w in sorted(where.items()))
-        return RoundFailure(
-            "setup",
+        why = (
             f"rank {self.rank} could not connect the gloo group of ranks "
             f"{list(self.ranks)}: every rank came, but gloo said: "
             f"{_first_line(error)}. Where each rank's gloo listens: {peers}. Fix: "
@@ -168,8 +167,13 @@ class StakeGroup:
             "GLOO_SOCKET_IFNAME to the interface that joins the hosts (the one "
             "torch's own gloo groups use), or map this host's name to a reachable "
             "address in /etc/hosts (not 127.0.1.1), and allow TCP between the "
-            "hosts on gloo's ports",
+            "hosts on gloo's ports"
         )
+        self._quiet("compare_set", f"{self.key}/why", "", why)
+        won = self._post_abort(_SETUP, [])
+        if won is not None and won[1] != self.rank:
+            return self._aborted(won)
+        return RoundFailure("setup", why)
 
     # -- rounds
     def reduce_max(self, values: Sequence[int], timeout: float) -> list[int]:
@@ -234,7 +238,7 @@ class StakeGroup:
             if abort is not None:
                 _RETIRED.append((self._pg, work))  # its op ends at gloo's timeout
                 self._pg = None
-                raise _aborted(abort, self.rank)
+                raise self._aborted(abort)
 
     def _gloo_failure(
         self, error: RuntimeError, seq: int, timeout: float
@@ -244,7 +248,7 @@ class StakeGroup:
         # a partner's connection closed: it gave up (read why) or went away
         abort = self._read_abort(grace=min(1.0, SLOW_S * 4))
         if abort is not None:
-            return _aborted(abort, self.rank)
+            return self._aborted(abort)
         return RoundFailure(
             "closed",
             f"a partner's connection closed in {_round_text(seq)} with no abort "
@@ -257,7 +261,7 @@ class StakeGroup:
         missing = self._absent("here" if seq == _SETUP else f"arr/{seq}")
         won = self._post_abort(seq, missing)
         if won is not None and won[1] != self.rank:
-            return _aborted(won, self.rank)
+            return self._aborted(won)
         what = (
             f"the gloo group of ranks {list(self.ranks)} was not set up"
             if seq == _SETUP
@@ -308,6 +312,14 @@ class StakeGroup:
         expected = "" if self.gen == 0 else str(self.gen)
         self._quiet("compare_set", f"{self.base}/gen", expected, str(self.gen + 1))
         return None if won is None else _parse_abort(won)
+
+    def _aborted(self, abort: tuple[int, int, list[int]]) -> RoundFailure:
+        """The failure of a round that rank ``abort[1]`` gave up on first (a
+        set-up that could not connect: its words)."""
+        if abort[0] == _SETUP and not abort[2]:
+            why = self._quiet("get", f"{self.key}/why")
+            return RoundFailure("setup", why.decode() if why else "the set-up failed")
+        return _aborted(abort, self.rank)
 
     def abort_of(self, gen: int) -> RoundFailure | None:
         """The abort of the stake's generation ``gen`` as this rank would have met
