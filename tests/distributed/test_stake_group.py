@@ -20,7 +20,11 @@ import torch.distributed as dist
 
 import remat_dist as remat
 from remat_dist._torch import _c10d
-from remat_dist.distributed._stake_group import RoundFailure, StakeGroup, current_generation
+from remat_dist.distributed._stake_group import (
+    RoundFailure,
+    StakeGroup,
+    current_generation,
+)
 from remat_dist.testing import DistContext, distributed
 
 
