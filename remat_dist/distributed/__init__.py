@@ -8,7 +8,7 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   raises :class:`~remat_dist.CollectiveReplayError` on every rank at stake;
 * a plan agreement among the ranks at stake (the groups whose collectives a
   replay can re-issue) before backward's first collective, and a failure report
-  among them at backward's end, on a side channel between those ranks
+  among them at backward's end, on a gloo group of those ranks only
   (``mark_step`` makes a rank that checkpoints nothing take part;
   ``check_plan_consistency`` compares the full plan of a group on demand);
 * with ``determinism_check="values"``, a value check of every replayed

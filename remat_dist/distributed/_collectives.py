@@ -101,8 +101,8 @@ Where the rest lives
 ``_optable`` (what each op writes, reads and compares), ``_intercept`` (the kernels,
 the observer stack, the step hooks), ``_ledger`` (entries and ledgers),
 ``_verify`` (record, verify, serve; releasing peers on divergence), ``_step`` (the
-agreements and end-of-backward reports among the ranks at stake, on ``_channel``'s
-side channels) and ``_replay`` (the
+agreements and end-of-backward reports among the ranks at stake, on
+``_stake_group``'s gloo groups) and ``_replay`` (the
 checkpoint observer tying them together). This module is their front door.
 """
 

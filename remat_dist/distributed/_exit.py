@@ -1,7 +1,8 @@
 """What a process that imported remat_dist does at interpreter exit, while the
 interpreter is still whole (an ``atexit`` handler: it runs before finalization).
 
-1. The agreements' side channels are closed and the dispatch hooks dropped.
+1. The stakes' gloo groups are dropped (a gloo group freed during finalization
+   aborts the process) and the dispatch hooks dropped.
 2. Reference cycles are collected. A model built inside a function (``main()``,
    a trainer object) is such a cycle once the function returns: FSDP2's state and
    its module refer to each other, and the state holds its process group. After

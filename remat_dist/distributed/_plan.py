@@ -92,7 +92,7 @@ class PlanDigest:
         )
 
     def words(self) -> list[int]:
-        """The value as two 62-bit integers (what a side-channel round compares)."""
+        """The value as two 62-bit integers (what a round compares)."""
         d = hashlib.sha256(self.value().encode()).digest()
         mask = (1 << 62) - 1
         return [
