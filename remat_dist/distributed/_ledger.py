@@ -180,14 +180,6 @@ class CollectiveLedger:
             counts[key] = counts.get(key, 0) + 1
         return {k: f"{h.hexdigest()[:16]}:{counts[k]}" for k, h in hashers.items()}
 
-    def local_fingerprint(self) -> str:
-        """Hash of the full signatures (groups by name, p2p included)."""
-        h = hashlib.sha1()
-        for e in self.entries:
-            h.update(e.describe().encode())
-            h.update(b"\n")
-        return h.hexdigest()[:16]
-
     @property
     def kept_nbytes(self) -> int:
         return sum(

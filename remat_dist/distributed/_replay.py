@@ -314,6 +314,8 @@ class _LedgerObserver:
             # its forward issued no collective but FSDP2's own outside any FSDP
             # group at stake (checkpointing inside FSDP2's units): nothing to agree
             # on or verify; a collective this replay issues anyway is refused
+            if log.isEnabledFor(20):  # INFO
+                _step.current_step().announce_nothing_at_stake(record.name)
             state._observer = _QuietReplay(record, state, counts)
             state._extent = ObserverExtent(state._observer, checked=True)
             return

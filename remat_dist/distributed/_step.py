@@ -173,6 +173,7 @@ class StepState:
         self.owed: _Task | None = None
         self.noting = False
         self.stats = StepStats()
+        self.announced = False  # "nothing at stake" said once (REMAT_DIST_LOG=info)
         self.full = PlanDigest()  # every checkpoint since check_plan_consistency()
         self.condemned: list[Any] = []
         """Weak references to the records of a forward whose plan check raised on
@@ -386,9 +387,27 @@ class StepState:
         log.error("%s", text)
         return (AgreementSetupError if f.reason == "setup" else kind)(text)
 
+    def announce_nothing_at_stake(self, name: str) -> None:
+        """Say once per process that a replay runs with nothing at stake."""
+        if not self.announced:
+            self.announced = True
+            log.info(
+                "checkpoint '%s' replays with nothing at stake (its forward issued "
+                "no collective of its own): no agreement, gloo operation or store "
+                "request per step for such checkpoints",
+                name,
+            )
+
     def _agree(self, stake: Stake, plan: PlanDigest) -> None:
         state = self.stakes[stake]
         state.noted = False
+        if state.agreements == 0:
+            log.info(
+                "ranks %s are at stake (replays re-issue collectives on them): one "
+                "plan agreement and one end-of-backward report per step on a gloo "
+                "group of these ranks",
+                list(stake),
+            )
         state.agreements += 1
         self.stats.agreements += 1
         what = f"the plan agreement of ranks {list(stake)}"

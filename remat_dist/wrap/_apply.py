@@ -179,7 +179,37 @@ def apply_remat(
         # A rank whose policy leaves blocks unchecked still takes part in the
         # agreements of its groups (so a rank-dependent policy raises there).
         model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_mark_step)
+    _log_setup(model, selected, plans, policy, collectives)
     return model
+
+
+def _log_setup(
+    model: nn.Module,
+    selected: Sequence[tuple[str, nn.Module]],
+    plans: dict[str, dict[str, str] | None],
+    policy: RematPolicy,
+    collectives: CollectiveMode,
+) -> None:
+    """One info line per ``apply_remat`` call: what it set up on this rank."""
+    if not log.isEnabledFor(20):  # INFO
+        return
+    kinds = sorted({type(m).__name__ for _, m in selected})
+    kept = sorted({r for p in plans.values() if p for r, d in p.items() if d == "save"})
+    what = (
+        f"policy {policy!r}"
+        if isinstance(policy, (str, int, dict))
+        else f"policy {type(policy).__name__}"
+    )
+    log.info(
+        "apply_remat(%s): %d of %d %s block(s) checkpointed, %s%s, collectives=%s",
+        type(model).__name__,
+        len(plans),
+        len(selected),
+        "/".join(kinds) or "selected",
+        what,
+        f" (save regions kept: {', '.join(kept)})" if kept else "",
+        collectives,
+    )
 
 
 def _check_free(name: str, module: nn.Module, regions: dict[str, str]) -> None:
