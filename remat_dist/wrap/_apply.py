@@ -201,11 +201,12 @@ def _log_setup(
         else f"policy {type(policy).__name__}"
     )
     log.info(
-        "apply_remat(%s): %d of %d %s block(s) checkpointed, %s%s, collectives=%s",
+        "apply_remat(%s): %d of %d selected blocks (%s) checkpointed, %s%s, "
+        "collectives=%s",
         type(model).__name__,
         len(plans),
         len(selected),
-        "/".join(kinds) or "selected",
+        ", ".join(kinds),
         what,
         f" (save regions kept: {', '.join(kept)})" if kept else "",
         collectives,

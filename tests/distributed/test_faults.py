@@ -639,6 +639,41 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
     assert len(errors) == 1 and "log_b" in errors[0], lines
 
 
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("x",))
+def test_info_log_says_what_was_set_up_and_what_happened(ctx: DistContext, layout):
+    # Once: what apply_remat set up, and what is at stake (or that nothing is);
+    # per step: only what happened (an agreement, with its cost).
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("remat_dist")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = _model(ctx.mesh, "full", tp=layout == "tp")
+        for _ in range(3):
+            _loss(model).backward()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    setup = [t for t in lines if "apply_remat(GPT): 3 of 3 selected blocks (Block)" in t]
+    assert len(setup) == 1 and "collectives=replay" in setup[0], lines
+    quiet = [t for t in lines if "replays with nothing at stake" in t]
+    at_stake = [t for t in lines if "ranks [0, 1] are at stake" in t]
+    agreed = [t for t in lines if "checkpoint(s) agreed in" in t]
+    if layout == "fsdp2":
+        assert len(quiet) == 1 and not at_stake and not agreed, lines
+    else:
+        assert not quiet and len(at_stake) == 1 and len(agreed) == 3, lines
+
+
 @pytest.mark.slow
 def test_remat_dist_log_env_turns_logging_on():
     # one fresh interpreter: quiet first (no handler, warnings still printed by

@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "launchers" / "train.py"
 
 
-def torchrun(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: float = 180, **env_vars: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     env["PYTHONWARNINGS"] = "ignore"
+    env.update(env_vars)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "2", str(TRAIN), *args,
@@ -29,10 +30,15 @@ def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
     out = tmp_path / "report.json"
     proc = torchrun(
         "--steps", "8", "--dim", "64", "--layers", "2", "--seq", "32",
-        "--remat", "attention", "--report-json", str(out),
+        "--remat", "attention", "--report-json", str(out), REMAT_DIST_LOG="info",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tail = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
+    # REMAT_DIST_LOG=info (the README's command): what each rank set up, once
+    for rank in (0, 1):
+        assert proc.stderr.count(f"[rank {rank}] apply_remat(GPT): 2 of 2 selected blocks") == 1, tail
+        assert proc.stderr.count(f"[rank {rank}] checkpoint 'layers.") == 1, tail
+    assert "replays with nothing at stake" in proc.stderr, tail
     steps = [line for line in proc.stdout.splitlines() if " loss " in line]
     assert len(steps) == 8 and all(line.startswith("[rank 0]") for line in steps), tail
     losses = [float(line.split(" loss ")[1].split()[0]) for line in steps]
