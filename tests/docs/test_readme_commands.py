@@ -25,19 +25,19 @@ def _demo_commands() -> list[list[str]]:
 
 
 def test_every_demo_command_line_parses():
-    sys.path.insert(0, str(ROOT / "launchers"))
-    try:
-        spec = importlib.util.spec_from_file_location("_readme_train", ROOT / "launchers" / "train.py")
-        train = sys.modules["_readme_train"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(train)
-    finally:
-        sys.path.remove(str(ROOT / "launchers"))
-        sys.modules.pop("_readme_train", None)
     commands = _demo_commands()
     flags = {a for c in commands for a in c if a.startswith("--")}
     assert {"--steps", "--remat", "--compile", "--memory-budget"} <= flags, commands
-    for argv in commands:
-        train.parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
+    sys.path.insert(0, str(ROOT / "launchers"))
+    spec = importlib.util.spec_from_file_location("_readme_train", ROOT / "launchers" / "train.py")
+    train = sys.modules["_readme_train"] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(train)
+        for argv in commands:
+            train.parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
+    finally:
+        sys.path.remove(str(ROOT / "launchers"))
+        sys.modules.pop("_readme_train", None)
 
 
 def test_every_environment_variable_is_read_and_tested():
