@@ -72,11 +72,22 @@ class Outcome:
                 parts.append(
                     f"[rank {r}] on {rep.get('hostname')} (MASTER_ADDR {rep.get('master_addr')} -> "
                     f"{rep.get('master_addr_resolves_to')}) raised {rep.get('error_type')} after "
-                    f"{rep.get('seconds', 0):.1f} s:\n{rep.get('traceback', '')[-1500:]}"
+                    f"{rep.get('seconds', 0):.1f} s (runs completed before: "
+                    f"{_completed(rep.get('result', {}))}):\n"
+                    f"{rep.get('traceback', '')[-1500:]}"
                 )
         for name, text in self.logs.items():
             parts.append(f"--- log {name} (last 2000 chars) ---\n{text[-2000:]}")
         return "\n".join(parts)
+
+
+def _completed(result: dict[str, Any]) -> dict[str, list[str]]:
+    """The runs each part of a scenario's result says it completed."""
+    out = {"": result["completed"]} if "completed" in result else {}
+    for key, part in result.items():
+        if isinstance(part, dict) and "completed" in part:
+            out[key] = part["completed"]
+    return out
 
 
 def _collect(out_dir: Path, world_size: int) -> dict[int, dict[str, Any]]:

@@ -9,14 +9,18 @@ What a test gets from :class:`SimHosts` (``n`` hosts):
   "switch" namespace ``rd-<tag>-sw``: nothing of it is in the machine's own
   namespace, so no traffic can leave the simulated hosts, and the machine's own
   interfaces, routes and ports are untouched;
-* per-host name resolution: ``/etc/netns/<namespace>/hosts``, which ``ip netns
-  exec`` bind-mounts over ``/etc/hosts`` for the commands it runs. On host ``K``
-  its own node name ``nodeK`` maps to ``127.0.1.1`` (what Debian and Ubuntu write
-  for a machine's own name) and every other node name to that node's address;
-* per-host host name: :meth:`SimHosts.popen` runs the command in a new UTS
-  namespace whose host name is ``nodeK`` (``unshare --uts`` and ``hostname``), so
-  ``socket.gethostname()``/``getfqdn()`` -- what torchrun's c10d rendezvous hands
-  its workers as ``MASTER_ADDR`` -- say ``nodeK`` there.
+* per-host name resolution: ``/etc/netns/<namespace>/hosts``. On host ``K`` its
+  own node name ``nodeK`` maps to ``127.0.1.1`` (what Debian and Ubuntu write for
+  a machine's own name) and every other node name to that node's address.
+  ``ip netns exec`` bind-mounts that file over ``/etc/hosts`` for the commands it
+  runs (checked on this machine); :meth:`SimHosts.popen` does not rely on it: it
+  runs the command in a mount namespace of its own (``unshare --mount``, private
+  propagation, so nothing shows outside) where it bind-mounts the file itself,
+  and :meth:`SimHosts.create` checks that a host sees its own file;
+* per-host host name: the same ``unshare`` makes a UTS namespace whose host name
+  is ``nodeK`` (``hostname``), so ``socket.gethostname()``/``getfqdn()`` -- what
+  torchrun's c10d rendezvous hands its workers as ``MASTER_ADDR`` -- say
+  ``nodeK`` there.
 
 Teardown (:meth:`SimHosts.close`, idempotent, run by the fixture whatever the
 test did): every process this object started is killed (its process group), then
@@ -27,8 +31,9 @@ session (``rd-<pid>x...`` whose ``pid`` is gone and which holds no process) is
 removed the next time hosts are made.
 
 :func:`unavailable` says why simulated hosts cannot be made here (not Linux, not
-root, no ``ip``/``unshare``/``hostname``, or making a namespace fails); the fixture
-skips with that reason.
+root, no ``ip``/``unshare``/``hostname``/``mount``, or making a namespace, its
+interfaces or its own view of ``/etc/hosts`` fails); the fixture skips with that
+reason.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def unavailable() -> str | None:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "making network namespaces needs root"
-    for tool in ("ip", "unshare", "hostname"):
+    for tool in ("ip", "unshare", "hostname", "mount"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed"
     return None
@@ -203,6 +208,27 @@ class SimHosts:
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
             self._write_hosts(h)
+        self._check_view(self.hosts[-1])
+
+    def _check_view(self, h: Host) -> None:
+        """A command on ``h`` sees its host name and its hosts file."""
+        try:
+            out = self.exec(h, ["sh", "-c", "hostname && cat /etc/hosts"])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise Unavailable(
+                f"running a command on a simulated host failed: {exc}"
+            ) from exc
+        lines = out.stdout.splitlines()
+        if out.returncode != 0 or not lines or lines[0] != h.name:
+            raise Unavailable(
+                f"a command on a simulated host did not get its own host name "
+                f"(`unshare --uts`, `hostname`): {out.stdout!r} {out.stderr.strip()!r}"
+            )
+        if f"{SELF_ADDR}\t{h.name}" not in lines:
+            raise Unavailable(
+                "a command on a simulated host did not see its own /etc/hosts "
+                f"(`unshare --mount`, `mount --bind`): {out.stderr.strip()!r}"
+            )
 
     def _write_hosts(self, h: Host) -> None:
         lines = ["127.0.0.1\tlocalhost"]
@@ -224,14 +250,18 @@ class SimHosts:
         stdout=None,
         stderr=None,
     ) -> subprocess.Popen:
-        """Start ``argv`` on ``host``: in its network namespace (and so with its
-        hosts file), in a new UTS namespace named after it, in a new session (its
-        process group is killed at :meth:`close` or by :meth:`stop`)."""
+        """Start ``argv`` on ``host``: in its network namespace, in new mount and
+        UTS namespaces (its hosts file bind-mounted over ``/etc/hosts``, its host
+        name set), in a new session (its process group is killed at
+        :meth:`close` or by :meth:`stop`)."""
         h = self.hosts[host] if isinstance(host, int) else host
+        hosts_file = NETNS_ETC / h.netns / "hosts"
         cmd = [
             "ip", "netns", "exec", h.netns,
-            "unshare", "--uts", "--",
-            "sh", "-c", 'hostname "$0" && exec "$@"', h.name, *argv,
+            "unshare", "--mount", "--uts", "--",
+            "sh", "-c",
+            'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"',
+            h.name, str(hosts_file), *argv,
         ]  # fmt: skip
         proc = subprocess.Popen(
             cmd,

@@ -96,14 +96,18 @@ def _counting(counter: BackwardCollectives):
 
 
 def _train(
+    out: dict[str, Any],
     build: Callable[[Any], nn.Module],
     step: Callable[[nn.Module, int], torch.Tensor],
     policies: tuple[Any, Any] = (None, "full"),
-) -> dict[str, Any]:
+) -> None:
     """``STEPS`` SGD steps of ``build(policy)`` for each policy; losses and the
     gradients of every step compared bitwise, the second policy against the first;
-    the collectives issued in the backwards, by policy."""
+    the collectives issued in the backwards, by policy. Into ``out``, as it goes:
+    ``completed`` lists the runs that finished ("none" first: a failure of the
+    remat run alone shows that torch's own collectives worked)."""
     runs, counted = [], {}
+    out["completed"] = []
     for policy in policies:
         model = build(policy)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -119,16 +123,15 @@ def _train(
             opt.step()
         runs.append((losses, grads))
         counted["none" if policy is None else "remat"] = counter.counts
+        out["completed"].append("none" if policy is None else "remat")
     (ref_losses, ref_grads), (losses, grads) = runs
-    return {
-        "losses": [float(x) for x in losses],
-        "loss_equal": all(torch.equal(a, b) for a, b in zip(ref_losses, losses)),
-        "grad_mismatches": sorted(
-            {n for a, b in zip(ref_grads, grads) for n in _mismatches(a, b)}
-        ),
-        "n_grads": len(grads[0]),
-        "backward_collectives": counted,
-    }
+    out["losses"] = [float(x) for x in losses]
+    out["loss_equal"] = all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    out["grad_mismatches"] = sorted(
+        {n for a, b in zip(ref_grads, grads) for n in _mismatches(a, b)}
+    )
+    out["n_grads"] = len(grads[0])
+    out["backward_collectives"] = counted
 
 
 # -- TP across hosts (and its divergence) -----------------------------------------
@@ -153,9 +156,7 @@ def scenario_tp(opts: dict[str, Any], out: dict[str, Any]) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     before = _stats()
-    out.update(
-        _train(lambda p: _gpt(mesh, p, tp_plan=remat.reference_tp_plan()), _gpt_step)
-    )
+    _train(out, lambda p: _gpt(mesh, p, tp_plan=remat.reference_tp_plan()), _gpt_step)
     out["stats"] = _stats_delta(before)
 
 
@@ -202,7 +203,8 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
             "seconds": time.perf_counter() - t0,
         }
     # the next clean step, on every rank
-    out["clean"] = _train(lambda p: _gpt(mesh, p, tp_plan=plan), _gpt_step)
+    out["clean"] = {}
+    _train(out["clean"], lambda p: _gpt(mesh, p, tp_plan=plan), _gpt_step)
 
 
 # -- HSDP: replicate across hosts, shard within ------------------------------------
@@ -219,7 +221,7 @@ def scenario_hsdp(opts: dict[str, Any], out: dict[str, Any]) -> None:
     before = _stats()
     out["replicate_group"] = dist.get_process_group_ranks(mesh["replicate"].get_group())
     out["shard_group"] = dist.get_process_group_ranks(mesh["shard"].get_group())
-    out.update(_train(lambda p: _gpt(mesh, p), lambda m, i: _gpt_step(m, i, seed=seed)))
+    _train(out, lambda p: _gpt(mesh, p), lambda m, i: _gpt_step(m, i, seed=seed))
     out["stats"] = _stats_delta(before)
 
 
@@ -309,7 +311,7 @@ def scenario_moe(opts: dict[str, Any], out: dict[str, Any]) -> None:
         return (model(x) ** 2).mean()
 
     before = _stats()
-    out.update(_train(build, step))
+    _train(out, build, step)
     out["stats"] = _stats_delta(before)
     # the routing really sends tokens both ways across the group
     model = MoEModel(group)
@@ -398,12 +400,14 @@ def scenario_pp_tp(opts: dict[str, Any], out: dict[str, Any]) -> None:
             )
             grads.append(_grads(module))
         counted["none" if policy is None else "remat"] = counter.counts
+        out["completed"].append("none" if policy is None else "remat")
         return losses_out, grads
 
     out["stage"] = stage
     out["tp_group"] = dist.get_process_group_ranks(tp.get_group())
     out["pp_group"] = dist.get_process_group_ranks(pp.get_group())
     counted: dict[str, dict[str, int]] = {}
+    out["completed"] = []
     before = _stats()
     ref_losses, ref_grads = run(None)
     losses, grads = run(("full", {"attention": "save"}))

@@ -1,5 +1,5 @@
 """Layouts across simulated hosts: each host a network namespace with its own
-interface (``rd0``, 10.77.x.K), loopback, ports, host name (``nodeK``) and hosts
+interface (``rd0``, 10.77.x.K+1), loopback, ports, host name (``nodeK``) and hosts
 file (its own name -> 127.0.1.1, the others' -> their addresses), as on
 Debian/Ubuntu cluster nodes. One process per rank (or one torchrun agent per
 host) with real gloo; each rank compares remat against the same model without
@@ -43,10 +43,23 @@ def _master(hosts: SimHosts, form: str) -> str:
 
 
 def _finished(
-    outcome: Outcome, hosts: SimHosts, placement: Sequence[int] | None
+    outcome: Outcome,
+    hosts: SimHosts,
+    placement: Sequence[int] | None,
+    key: str | None = None,
 ) -> None:
-    """Every rank reported, finished, and ran where it was placed."""
+    """Every rank reported, finished, and ran where it was placed. First, where
+    the scenario says so (``result[key]["completed"]``): the run without remat
+    finished on every rank, i.e. torch's own collectives worked across the
+    hosts, so a failure after that is remat_dist's."""
     assert not outcome.missing() and not outcome.timed_out, outcome.describe()
+    for rep in outcome.reports.values():
+        result = rep.get("result", {})
+        result = result.get(key, {}) if key else result
+        if "completed" in result or key:
+            assert "none" in result.get("completed", ()), (
+                "the run without remat did not finish:\n" + outcome.describe()
+            )
     assert all(rep["finished"] for rep in outcome.reports.values()), outcome.describe()
     if placement is not None:
         where = {r: rep["hostname"] for r, rep in outcome.reports.items()}
@@ -244,7 +257,7 @@ def test_divergence_in_tp_across_hosts(
         assert div["seconds"] < DIVERGENCE_BOUND_S, (r, div)
         texts.add(div["text"])
     assert len(texts) == 1, texts  # every rank says the same
-    _finished(outcome, hosts, placement)
+    _finished(outcome, hosts, placement, key="clean")
     for r, rep in outcome.reports.items():
         _bitwise(rep["result"]["clean"], f"rank {r}, the clean step after")
 
