@@ -210,7 +210,7 @@ def test_hsdp_replicate_across_hosts_bitwise(sim_hosts, tmp_path: Path):
         counts = res["backward_collectives"]
         assert counts["remat"] == counts["none"], counts  # remat adds no all-gather
         assert counts["none"].get("allreduce_", 0) > 0, counts  # HSDP's replicas sync
-        assert res["stats"]["agreements"] == 0 and res["stats"]["channels"] == 0, res
+        assert res["stats"]["agreements"] == 0 and res["stats"]["groups"] == 0, res
 
 
 # -- a divergence in a cross-host stake ---------------------------------------------
