@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -137,15 +138,45 @@ class StakeGroup:
         if abort is not None:  # its ranks gave up on it before this rank came
             raise self._aborted(abort)
         self._post(f"{self.key}/here/{self.index}", _where())
-        try:
-            self._pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"{self.key}/gloo", self.store),
-                self.index,
-                len(self.ranks),
-                timedelta(seconds=timeout),
-            )
-        except RuntimeError as e:
-            raise self._setup_failure(e, timeout) from None
+        made: dict[str, Any] = {}
+
+        def make() -> None:
+            try:
+                made["pg"] = dist.ProcessGroupGloo(
+                    dist.PrefixStore(f"{self.key}/gloo", self.store),
+                    self.index,
+                    len(self.ranks),
+                    timedelta(seconds=timeout),
+                )
+            except RuntimeError as e:
+                made["error"] = e
+
+        # gloo's rendezvous may wait longer than the bound where a peer cannot
+        # reach this rank (its dials are retried): it runs on a thread of its
+        # own while this one watches the store for a peer's abort and the bound
+        maker = threading.Thread(
+            target=make, name="remat_dist-stake-setup", daemon=True
+        )
+        maker.start()
+        every = min(timeout / 4, max(SLOW_S, timeout / 8))
+        deadline = time.monotonic() + timeout
+        while True:
+            maker.join(every)
+            if not maker.is_alive():
+                break
+            abort = self._read_abort()
+            if abort is not None:
+                raise self._aborted(abort)
+            if time.monotonic() >= deadline:
+                if self._absent("here"):
+                    raise self._give_up(_SETUP, timeout)
+                stalled = RuntimeError(
+                    f"its connections did not complete within {timeout:g} s"
+                )
+                raise self._setup_failure(stalled, timeout)
+        if "error" in made:
+            raise self._setup_failure(made["error"], timeout) from None
+        self._pg = made["pg"]
         return self._pg
 
     def _setup_failure(self, error: RuntimeError, timeout: float) -> RoundFailure:

@@ -165,7 +165,12 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
 
     * ``"plan"``: rank 1 keeps its blocks' attention (``{"attention": "save"}``)
       while rank 0 recomputes everything: a plan mismatch;
-    * ``"replay_raises"``: rank 1's replay of block 1 raises in its MLP.
+    * ``"replay_raises"``: rank 1's replay of block 1 raises in its MLP;
+    * ``"unreachable"``: rank 0's gloo for the agreement uses an interface that
+      does not join the hosts (``GLOO_SOCKET_IFNAME`` set, after the job's own
+      groups were made, to a fresh veth whose subnet the other host has no route
+      to; its address sorts below the hosts' so that in gloo's pairs this rank
+      listens there and the other dials it): the stake's group cannot be set up.
 
     Every rank must raise the documented error within the bound; then a clean
     step (fresh models, remat vs none) must be bitwise equal on every rank."""
@@ -185,6 +190,18 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
 
         model.layers[1].mlp.register_forward_pre_hook(boom)
     loss = _gpt_step(model, 0)
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if kind == "unreachable" and rank == 0:
+        import subprocess
+
+        for cmd in (
+            "ip link add rdx0 type veth peer name rdx1",
+            "ip addr add 10.9.0.1/24 dev rdx0",
+            "ip link set rdx0 up",
+            "ip link set rdx1 up",
+        ):
+            subprocess.run(cmd.split(), check=True, timeout=10)
+        os.environ["GLOO_SOCKET_IFNAME"] = "rdx0"
     t0 = time.perf_counter()
     try:
         loss.backward()
@@ -197,11 +214,17 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
         out["divergence"] = {
             "type": type(exc).__name__,
             "documented": isinstance(
-                exc, remat.PlanMismatchError | remat.CollectiveReplayError
+                exc,
+                remat.PlanMismatchError
+                | remat.CollectiveReplayError
+                | remat.AgreementSetupError,
             ),
             "text": str(exc),
             "seconds": time.perf_counter() - t0,
         }
+    finally:
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     # the next clean step, on every rank
     out["clean"] = {}
     _train(out["clean"], lambda p: _gpt(mesh, p, tp_plan=plan), _gpt_step)
