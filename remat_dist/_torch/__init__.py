@@ -14,7 +14,7 @@ but ``_errors``; the modules of this package import nothing of remat_dist.
 
 | module | concern |
 |---|---|
-| ``_autograd`` | the saved-tensor hooks stack, graph tasks, the engine's callbacks, nodes |
+| ``_autograd`` | the saved-tensor hooks stack, graph tasks and what they run, nodes |
 | ``_checkpoint`` | ``torch.utils.checkpoint``'s internals and torch's checkpoint wrapper |
 | ``_dispatch`` | dispatch keys, the thread-local included set, op handles, HOPs |
 | ``_tensor`` | tensor subclasses, torch-function and dispatch modes, storages, autocast |
@@ -50,6 +50,10 @@ _CORE = (
     "torch._C._autograd._saved_tensors_hooks_disable",
     "torch._C._autograd._saved_tensors_hooks_get_disabled_error_message",
     "torch._C._current_graph_task_id",
+    "torch._C._autograd._get_current_graph_task_keep_graph",
+    "torch._C._current_autograd_node",
+    "torch._C._will_engine_execute_node",
+    "torch._C._autograd._get_sequence_nr",
     "torch.autograd.Variable._execution_engine.queue_callback",
     # _checkpoint
     "torch.utils.checkpoint._StopRecomputationError",

@@ -1,10 +1,12 @@
 """The autograd engine's private pieces: the saved-tensor default hooks stack (the
 C++ stack ``torch.autograd.graph.saved_tensors_hooks`` pushes onto), the graph task
-running on this thread, callbacks queued to the end of a backward, and what a graph
-node saved."""
+running on this thread (its id, whether it keeps its graph, the node it runs and
+the nodes it will run), callbacks queued to the end of a backward, and a graph
+node's sequence number and saved tensors."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -13,16 +15,21 @@ import torch
 __all__ = [
     "RAW_SAVED_PREFIX",
     "current_graph_task_id",
+    "current_node",
     "graph_task_keeps_graph",
+    "node_sequence",
     "node_sequence_nr",
     "pop_saved_tensors_hooks",
     "push_saved_tensors_hooks",
     "queue_callback",
+    "raw_saved_names",
     "saved_tensors_hooks_disable",
     "saved_tensors_hooks_disabled_message",
     "saved_tensors_hooks_enable",
     "saved_tensors_hooks_enabled",
+    "sequence_counter",
     "top_saved_tensors_hooks",
+    "will_execute_node",
 ]
 
 _ag = torch._C._autograd
@@ -56,6 +63,22 @@ graph_task_keeps_graph: Callable[[], bool] = _ag._get_current_graph_task_keep_gr
 """Whether the backward running on this thread keeps its graph (``retain_graph``);
 True outside backward."""
 
+current_node: Callable[[], Any] = torch._C._current_autograd_node
+"""The graph node the engine is running on this thread (None when none is): inside
+a saved tensor's unpack during backward, the node that unpacks it."""
+
+will_execute_node: Callable[[Any], bool] = torch._C._will_engine_execute_node
+"""``will_execute_node(node)``, inside a backward: whether the running graph task
+reaches ``node`` from its roots and, for ``autograd.grad`` or ``inputs=``, needs
+it. Two quirks of torch 2.13: the root of a task started from one edge is not
+among the nodes it reaches (False, though it runs first), and a node whose
+gradient ``autograd.grad`` captures without running it gives True (a leaf that is
+captured raises ``RuntimeError`` instead)."""
+
+sequence_counter: Callable[[], int] = _ag._get_sequence_nr
+"""The sequence number the next graph node made on this thread gets: the nodes a
+piece of code made on this thread have the numbers between two reads around it."""
+
 queue_callback: Callable[[Callable[[], None]], None] = (
     torch.autograd.Variable._execution_engine.queue_callback
 )
@@ -64,6 +87,19 @@ queue_callback: Callable[[Callable[[], None]], None] = (
 RAW_SAVED_PREFIX = "_raw_saved_"
 """A graph node's saved tensors are its attributes of this prefix (the
 ``SavedTensor`` objects, read without unpacking them)."""
+
+
+node_sequence: Callable[[Any], int] = operator.methodcaller("_sequence_nr")
+"""The sequence number of a graph node (``AccumulateGrad``: the largest 64-bit
+value); raises on an object that is not a node."""
+
+
+def raw_saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes of ``node_type``'s nodes that give their saved tensors as
+    ``SavedTensor`` s (a tuple of them for a custom ``autograd.Function``), whose
+    ``data`` is what the pack hook returned, without unpacking them. Reading one
+    after a backward freed it raises ``RuntimeError``."""
+    return tuple(a for a in dir(node_type) if a.startswith(RAW_SAVED_PREFIX))
 
 
 def node_sequence_nr(node: Any) -> int:

@@ -18,6 +18,7 @@ __all__ = [
     "checkpoint_wrapper_types",
     "early_stop_enabled",
     "frame_of_pack_hook",
+    "live_holders",
     "register_metadata_fn",
     "replay_target",
 ]
@@ -138,6 +139,21 @@ def _recompute_pack_code() -> tuple[Any, tuple[int, int]]:
 
 
 _RECOMPUTE_PACK_CODE, _RECOMPUTE_CELLS = _recompute_pack_code()
+
+
+def live_holders(frame: Any, skip: int = 0) -> list[Any]:
+    """The holders of ``frame`` still alive, from its ``skip``-th save on: what
+    torch's checkpoint packed for each tensor its forward saved (the object a saved
+    tensor's ``data`` gives). A holder dies with the saved tensor that holds it:
+    when a backward that does not keep its graph has run that saved tensor's node,
+    or with the graph. Unpacking a live one in a graph task that has not replayed
+    the frame yet replays it."""
+    out = []
+    for ref in frame.weak_holders[skip:]:
+        holder = ref()
+        if holder is not None:
+            out.append(holder)
+    return out
 
 
 def early_stop_enabled() -> bool:

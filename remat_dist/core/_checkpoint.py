@@ -49,6 +49,7 @@ from remat_dist.core._record import (
     CheckpointRecord,
     saved_entry,
 )
+from remat_dist.core._save_region import note_forward, replay_frees_graph
 from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._state_hooks import _restore, _snapshot
@@ -59,6 +60,7 @@ __all__ = ["checkpoint"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _DETERMINISM_CHECKS = ("none", "default", "values")
+_DONE = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
 
 
 class _UnsupportedOption(RematUsageError, NotImplementedError):
@@ -280,6 +282,7 @@ def _run_checkpoint(
         hooked and innermost_hooks() is not kept_under
     ) else None
     token = inputs_of_var.set(name)
+    first_node = _autograd.sequence_counter()
     try:
         out = torch_checkpoint.checkpoint(
             body,
@@ -305,6 +308,8 @@ def _run_checkpoint(
     if anchors:
         _replay_first(anchors.pop().grad_fn, out)
     _link_to_graph(record, out)
+    if record.regions:
+        note_forward(record, out, first_node, hooked)
     return out
 
 
@@ -387,6 +392,8 @@ class _Phase:
             if self.replay:
                 record._cursor = 0
                 record.replay_count += 1
+                if record.forward_graph is not None:  # torch's hook still innermost
+                    record.frees_graph = replay_frees_graph(record)
                 # Like torch's fork_rng: replay must not disturb the state that the
                 # rest of backward (and the next step) sees.
                 self._outside = _snapshot(record, "replay start")
@@ -465,12 +472,7 @@ class _Phase:
                 _restore(record, self._outside, "replay end")  # still recomputing
                 self._outside = ()
                 record.phase = phase
-                done = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
-                if (
-                    record.regions
-                    and phase in done
-                    and not _autograd.graph_task_keeps_graph()
-                ):
+                if record.frees_graph and phase in _DONE:
                     record.release_persisted()
             else:
                 record.phase = CheckpointPhase.WAITING

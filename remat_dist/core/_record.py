@@ -103,8 +103,9 @@ class RegionRecord:
     """``tensor``, ``tuple`` or ``list``: how replay rebuilds the return value."""
     persisted: dict[int, PersistedOutput] = field(default_factory=dict)
     released: set[int] = field(default_factory=set)
-    """Outputs whose persisted value a replay served and dropped (a backward that
-    does not keep its graph reads each once, as torch's checkpoint does)."""
+    """Outputs whose persisted value a replay dropped: one in the last backward
+    that can replay the checkpoint (``CheckpointRecord.frees_graph``), which
+    reads each once, as torch's checkpoint does."""
     saved: list[SavedEntry] = field(default_factory=list)
     routed: list[tuple[Any, ...]] = field(default_factory=list)
     """Saves that are (views of) the region's own inputs: not kept, recomputed by
@@ -207,6 +208,8 @@ class CheckpointRecord:
         "replay_packs",
         "saved_meta",
         "values_check",
+        "forward_graph",
+        "frees_graph",
         "_cursor",
         "_stack",
         "_names",
@@ -236,6 +239,13 @@ class CheckpointRecord:
         self.values_check = False
         """Whether this checkpoint's replay compares values (decided at its
         forward: ``values_check_enabled``)."""
+        self.forward_graph: Any = None
+        """What the forward noted of its nodes when it persisted a save-region
+        output (``_save_region.ForwardGraph``), else None."""
+        self.frees_graph = False
+        """Whether the running (or last) replay's backward is the last that can
+        replay this checkpoint (``_save_region.replay_frees_graph``): its replay
+        drops the persisted outputs."""
         self._cursor = 0
         self._stack: list[RegionRecord] = []
         self._names: set[str] = set()
@@ -281,9 +291,9 @@ class CheckpointRecord:
         return [r for r in self.regions if r.is_save]
 
     def release_persisted(self) -> None:
-        """Drop every persisted output left after a replay of a backward that does
-        not keep its graph: the regions after torch's early stop are never served
-        in it, and no later backward replays this graph."""
+        """Drop every persisted output left after a replay in the last backward
+        that can replay this checkpoint (:attr:`frees_graph`): the regions after
+        torch's early stop are never served in it, and no later backward replays."""
         for r in self.regions:
             r.released.update(r.persisted)
             r.persisted.clear()

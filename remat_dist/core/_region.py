@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from remat_dist._errors import RematError, RematUsageError
-from remat_dist._torch import _autograd
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _record
 from remat_dist.core._options import resolve
@@ -326,9 +325,12 @@ def _serve(record: CheckpointRecord, rr: RegionRecord, j: int) -> torch.Tensor |
         if j in rr.released:
             raise RematError(
                 f"remat_dist: the replay of checkpoint {record.name!r} needs output "
-                f"{j} of save region {rr.name!r} again, but an earlier backward that "
-                "did not keep the graph replayed it and freed it. Fix: pass "
-                "retain_graph=True to every backward but the last through this graph."
+                f"{j} of save region {rr.name!r} again, but an earlier backward "
+                "replayed it and freed it: that backward kept no graph and was to "
+                "run every node still holding the checkpoint's saved tensors, so no "
+                "later backward could replay the checkpoint (had it stopped with an "
+                "error?). Fix: pass retain_graph=True to a backward that may have to "
+                "run again through this graph."
             )
         return make_placeholder(meta, record.name, rr.name, j)
     t = kept.get()
@@ -339,10 +341,12 @@ def _serve(record: CheckpointRecord, rr: RegionRecord, j: int) -> torch.Tensor |
             "replay would see other values than the forward did. Fix: clone it before "
             "modifying it (y = out.clone(); y.add_(...))."
         )
-    if not _autograd.graph_task_keeps_graph():
-        # Served once per backward: from here the replay's own graph holds it for
-        # as long as backward needs it (torch's checkpoint frees what it recomputed
-        # the same way), not the record until the whole checkpoint's graph dies.
+    if record.frees_graph:
+        # The last backward that can replay the checkpoint serves it once: from
+        # here the replay's own graph holds it for as long as backward needs it
+        # (torch's checkpoint frees what it recomputed the same way), not the
+        # record until the whole checkpoint's graph dies. Any other backward
+        # leaves it for the next replay (split backward: replay_frees_graph).
         del rr.persisted[j]
         rr.released.add(j)
     t = t.detach()

@@ -8,16 +8,57 @@ inputs that replay recomputes anyway, which are routed to torch's checkpoint hoo
 (:func:`_emit_routed`). Its outputs are recorded (:func:`_record_outputs`) and
 persisted only where code that replay runs consumes them
 (:func:`_persist_if_produced`); everything else is served as placeholders.
+
+When the persisted outputs go: each replay reads them, and only the replay in the
+last backward that can replay the checkpoint may drop them (:func:`replay_frees_graph`
+says whether it is that one; ``_region._serve`` drops each as it serves it, the
+replay's end the ones it did not reach).
+
+torch's checkpoint replays once per graph task that unpacks one of its saved
+tensors (the ``_Holder`` s its pack hook made), and a backward that does not keep
+its graph frees a node's saved tensors right after running that node. So a later
+backward can replay a checkpoint exactly as long as one of its holders is alive,
+and a holder dies in one of two ways: a backward with ``retain_graph=False`` runs
+its node, or the graph dies (torch's checkpoint frame, which holds the inputs,
+goes with the last holder). The last backward is therefore the one that keeps no
+graph *and* will run every node still holding one of the checkpoint's holders.
+
+A plain ``loss.backward()`` is such a backward. Split backward is not (zero-bubble
+pipeline schedules: ``stage_backward_input`` keeps the graph; then
+``stage_backward_weight`` runs one ``autograd.grad`` per parameter group, each
+running only the nodes between that group's intermediates and its parameters, and
+replaying again): no weight pass runs the nodes that lead only to the stage's
+inputs (an RMSNorm's ``pow``), so their holders, torch's frame and the persisted
+outputs all live until the graph dies after the last weight pass (the record, which
+holds them, is owned by the graph and dies with it: the same event).
+
+How a replay knows, at its start (inside torch's unpack of the holder that started
+it): the node being run (``current_node``; it runs, so its holders go) and every
+node of the checkpoint below its outputs (from the outputs' nodes, which carry a
+:class:`_Below` in their metadata, and within the sequence numbers its forward's
+nodes got) are searched for the frame's live holders, and each node holding one
+must be the running node or one the engine will run in this task
+(``will_execute_node``, for it and one of its children: torch also says True for a
+node whose gradient ``autograd.grad`` only captures). A live holder not found (an
+output's own node that is not the one running, an output's node already gone, a
+node reachable from elsewhere only) means "not the last". A wrong "no" only keeps
+the outputs until the graph dies; a wrong "yes" would make a later replay raise.
+
+The search costs one visit per node of the checkpoint, and runs only for a replay
+in a backward that keeps no graph, of a checkpoint that persisted an output.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from remat_dist._errors import RematError
+from remat_dist._state import register_state
 from remat_dist._torch import _autograd
+from remat_dist._torch._checkpoint import live_holders, replay_target
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _standin
 from remat_dist.core._hooks import for_user_hook, innermost_hooks, saved_name
@@ -273,3 +314,148 @@ def _persist_if_produced(record: CheckpointRecord, t: torch.Tensor) -> None:
             packed, user.unpack_with, out._version, nbytes, False
         )
 
+
+BELOW_METADATA_KEY = "remat_dist.below"
+"""``grad_fn.metadata`` key of a checkpoint output's node: its :class:`_Below`."""
+
+_will_run = _autograd.will_execute_node
+_sequence = _autograd.node_sequence
+
+
+class _Below:
+    """The nodes right below one output node of a checkpoint, kept in that node's
+    metadata: owned by the output node, so they live as long as it does and form
+    no cycle (the graph only points downwards); the record refers to it weakly."""
+
+    __slots__ = ("nodes", "__weakref__")
+
+    def __init__(self, nodes: list[Any]) -> None:
+        self.nodes = nodes
+
+
+class ForwardGraph:
+    """What a checkpoint's forward left for :func:`replay_frees_graph`: the sequence
+    numbers ``[first, end)`` of the nodes it made, weak references to the
+    :class:`_Below` of its output nodes, and how many of torch's holders come first
+    and belong to no node a backward runs (the replay anchor under user hooks)."""
+
+    __slots__ = ("span", "below", "skip")
+
+    def __init__(
+        self, span: tuple[int, int], below: tuple[Any, ...], skip: int
+    ) -> None:
+        self.span = span
+        self.below = below
+        self.skip = skip
+
+
+def note_forward(record: CheckpointRecord, out: Any, first: int, anchored: bool) -> None:
+    """At a checkpoint's forward end (its nodes made from sequence number ``first``
+    on): if it persisted a save-region output, note its nodes for the replays."""
+    if not any(r.persisted for r in record.regions):
+        return
+    end = _autograd.sequence_counter()
+    below = []
+    seen: set[int] = set()
+    for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+        if node is None or id(node) in seen or not first <= _sequence(node) < end:
+            continue  # (an input returned as it is: another node's metadata)
+        seen.add(id(node))
+        cell = _Below([c for c, _ in node.next_functions if c is not None])
+        node.metadata[BELOW_METADATA_KEY] = cell
+        below.append(weakref.ref(cell))
+    skip = 1 if anchored else 0
+    record.forward_graph = ForwardGraph((first, end), tuple(below), skip)
+
+
+def replay_frees_graph(record: CheckpointRecord) -> bool:
+    """At a replay's start: whether the backward running it keeps no graph and will
+    run every node still holding one of the checkpoint's holders, so that no later
+    backward can replay it (see the module's docstring). False outside backward,
+    where nothing says which nodes a backward will run, or without the note."""
+    graph = record.forward_graph
+    if graph is None or _autograd.graph_task_keeps_graph():
+        return False
+    running = _autograd.current_node()
+    hooks = _autograd.top_saved_tensors_hooks(False)
+    target = None if hooks is None else replay_target(hooks[0])
+    if running is None or target is None:
+        return False
+    holders = live_holders(target[0], graph.skip)  # kept alive: ids stay unique
+    live = {id(h) for h in holders}
+    first, end = graph.span
+    stack = [running]
+    for ref in graph.below:
+        cell = ref()
+        if cell is None:
+            return False  # an output's node is gone, and what it reached unknown
+        stack.extend(cell.nodes)
+    visited: list[Any] = []  # kept alive while the walk runs: ids stay unique
+    seen: set[int] = set()
+    push, pop = stack.append, stack.pop
+    while stack:
+        node = pop()
+        key = id(node)
+        if key in seen:
+            continue
+        seen.add(key)
+        visited.append(node)
+        if not first <= _sequence(node) < end:
+            continue  # not made by this checkpoint's forward
+        held = 0
+        names = _saved_names.get(type(node))
+        if names is None:
+            names = _saved_names[type(node)] = _autograd.raw_saved_names(type(node))
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed by a backward that ran the node
+                continue
+            for saved in value if isinstance(value, (tuple, list)) else (value,):
+                try:
+                    key = id(saved.data)  # what the pack hook returned, not unpacked
+                except (RuntimeError, AttributeError):
+                    continue
+                if key in live:
+                    live.discard(key)
+                    held += 1
+        below = node.next_functions
+        if held and node is not running and not _runs(node, below):
+            return False
+        if not live:
+            return True
+        for child, _ in below:
+            if child is not None:
+                push(child)
+    return not live
+
+
+def _runs(node: Any, below: tuple[tuple[Any, int], ...]) -> bool:
+    """Whether the running graph task will run ``node`` (and so free what it saved:
+    the task keeps no graph). torch's answer for the node, checked on its children
+    (``below``): a node the task needs has a child it runs or captures."""
+    try:
+        if not _will_run(node):
+            return False
+    except RuntimeError:
+        return False
+    for child, _ in below:
+        if child is None:
+            continue
+        try:
+            if _will_run(child):
+                return True
+        except RuntimeError:  # a leaf whose gradient this autograd.grad captures
+            return True
+    return False
+
+
+class _SavedNames(dict[type, tuple[str, ...]]):
+    """Per node class, the attributes giving its saved tensors (a cache)."""
+
+    def reset(self) -> None:
+        self.clear()
+
+
+_saved_names = register_state("core.saved_names", _SavedNames())

@@ -3,9 +3,15 @@ blocks: every schedule trains bitwise equal to the same stages without remat, wi
 no plan agreement across stages (each stage's ranks agree among themselves, and
 only where a replay re-issues collectives).
 
-Real gloo processes: 2 ranks (2 stages, or 4 virtual stages interleaved) and 4 ranks
-(PP x TP, PP x FSDP2). The stages are slices of the reference GPT: stage 0 embeds,
-the last one ends with the final norm and the LM head.
+Real gloo processes: 2 ranks (2 stages, or 4 virtual stages interleaved or in a V)
+and 4 ranks (PP x TP, PP x FSDP2). The stages are slices of the reference GPT:
+stage 0 embeds, the last one ends with the final norm and the LM head.
+
+The zero-bubble schedules split each stage's backward: the input gradients first
+(one ``autograd.grad`` keeping the graph), the weight gradients later (one
+``autograd.grad`` per parameter group, none keeping the graph), so a checkpoint is
+replayed once per call that reaches it; the outputs of its save regions must
+outlive all of them (``replay_frees_graph`` in ``core/_save_region.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,18 @@ pipelining = pytest.importorskip("torch.distributed.pipelining")
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=4)
 MICRO_BATCHES = 4
 BATCH = 8
+
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+"""Two stages per rank placed in a V (``style="v"``), not round robin."""
+ZERO_BUBBLE = [
+    name
+    for name in ("ScheduleInterleavedZeroBubble", *V_SCHEDULES)
+    if hasattr(pipelining.schedules, name)
+]
+"""The schedules of this torch that split backward into input and weight passes."""
+SAVE_MLP = {"mlp.w1": "save", "mlp.w2": "save"}
+"""Both MLP linears kept (torchtitan keeps ``feed_forward.w1/w3/w2``): their outputs
+are persisted for the replays (GELU and the residual add read them)."""
 
 
 class StageModule(nn.Module):
@@ -54,7 +72,8 @@ def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _stages(stage_ids, n_stages, *, remat_policy, tp_mesh=None, dp_mesh=None):
+def _stages(stage_ids, n_stages, *, remat_policy, tp_mesh=None, dp_mesh=None,
+            reshard_after_forward=True):
     per = CONFIG.n_layers // n_stages
     out = []
     for s in stage_ids:
@@ -73,7 +92,9 @@ def _stages(stage_ids, n_stages, *, remat_policy, tp_mesh=None, dp_mesh=None):
             from torch.distributed.fsdp import fully_shard
 
             for block in module.layers.values():
-                fully_shard(block, mesh=dp_mesh)
+                fully_shard(
+                    block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward
+                )
             fully_shard(module, mesh=dp_mesh)
         out.append((s, module))
     return out
@@ -87,9 +108,15 @@ def _train(ctx, schedule_name, *, remat_policy, pp_group, pp_rank, pp_size,
     from torch.distributed.pipelining import schedules as sch
 
     n_stages = pp_size * virtual
-    stage_ids = [pp_rank + k * pp_size for k in range(virtual)]
+    if schedule_name in V_SCHEDULES:  # rank r holds stages r and n_stages - 1 - r
+        stage_ids = [pp_rank, n_stages - 1 - pp_rank]
+    else:
+        stage_ids = [pp_rank + k * pp_size for k in range(virtual)]
+    # FSDP2 resharding after forward leaves the zero-bubble schedules' last stage
+    # without some gradients (remat or not); torchtitan does not reshard with PP
     built = _stages(stage_ids, n_stages, remat_policy=remat_policy,
-                    tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+                    tp_mesh=tp_mesh, dp_mesh=dp_mesh,
+                    reshard_after_forward=schedule_name not in ZERO_BUBBLE)
     stages = [
         PipelineStage(m, s, n_stages, torch.device("cpu"), group=pp_group) for s, m in built
     ]
@@ -207,6 +234,42 @@ def test_pp_x_fsdp2_bitwise_without_rounds(ctx: DistContext):
     assert after.agreements == before.agreements
     assert after.reports == before.reports
     assert after.operations == before.operations
+
+
+@pytest.mark.parametrize("policy", [SAVE_MLP, "full"], ids=["save_mlp", "full"])
+@pytest.mark.parametrize("schedule_name", ZERO_BUBBLE)
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",))
+def test_zero_bubble_bitwise(ctx: DistContext, schedule_name, policy):
+    before, after = _assert_bitwise(
+        ctx, schedule_name, policy=policy, pp_group=ctx.mesh.get_group(),
+        pp_rank=ctx.rank, pp_size=2, virtual=2,
+    )
+    assert after.agreements == before.agreements  # nothing at stake
+
+
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"))
+def test_zero_bubble_pp_x_tp_bitwise(ctx: DistContext):
+    # each weight pass that reaches a block replays it: the attention's all-reduce
+    # (recomputed) is re-issued and checked against the forward's ledger every
+    # time, the MLP's save regions (w2's all-reduce inside) are skipped and served
+    pp, tp = ctx.mesh["pp"], ctx.mesh["tp"]
+    _assert_bitwise(
+        ctx, "ScheduleInterleavedZeroBubble", policy=SAVE_MLP,
+        pp_group=pp.get_group(), pp_rank=pp.get_local_rank(), pp_size=2,
+        tp_mesh=tp, virtual=2,
+    )
+
+
+@pytest.mark.skipif(
+    "ScheduleZBVZeroBubble" not in ZERO_BUBBLE, reason="no ZBV schedule in torch"
+)
+@distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "dp"))
+def test_zero_bubble_pp_x_fsdp2_bitwise(ctx: DistContext):
+    pp, dp = ctx.mesh["pp"], ctx.mesh["dp"]
+    _assert_bitwise(
+        ctx, "ScheduleZBVZeroBubble", policy=SAVE_MLP, pp_group=pp.get_group(),
+        pp_rank=pp.get_local_rank(), pp_size=2, dp_mesh=dp, virtual=2,
+    )
 
 
 @pytest.mark.slow
