@@ -7,7 +7,7 @@ The life of a model under a budget (one state object on the model, see
    attaches the planner (a forward pre-hook and a forward hook on the model); the
    planner changes blocks only through the ``BlockInstaller`` it was given
    (``remat_dist.wrap``), and its life is a :class:`BudgetPhase`.
-2. **Profiling step** (the first grad-enabled forward of the model). The step
+2. **Profiling forward** (the first grad-enabled forward of the model). It
    trains normally: every block runs its full-recompute checkpoint, so the
    gradients are those of any other plan. Before it does, each block also runs
    *side passes* on fresh copies of its tensor inputs (an in-place update of an
@@ -20,29 +20,40 @@ The life of a model under a budget (one state object on the model, see
    the real pass draws the same dropout masks and updates the buffers once. A
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
-   model's forward runs under a counter too (chained to any saved-tensor hooks of
+   profiling forward runs under a counter too (chained to any saved-tensor hooks of
    the caller), which gives the bytes saved outside the blocks.
-3. At the end of that forward every rank sends its table to every other
-   (``all_gather``), takes per block and candidate the **maximum over ranks** of
-   bytes and of time, and solves the same knapsack (``_budget_solver``): every
-   rank computes the same plan from the same numbers, and the plans' digests are
-   compared once more (a :class:`PlanMismatchError` if they differ, raised at
-   once). An infeasible budget is raised at the end of the profiling step's
-   backward (or at once when no backward will run), naming the smallest feasible
-   budget. Either failure is raised again by every later grad-enabled forward.
-4. A profiling forward dropped without a backward (its graph gone, no backward
-   started since: a sanity pass) is forgotten, and the next grad-enabled forward
-   profiles again. When the first backward after the profiling forward ends
-   (through its output, or through a later forward's when that output was kept
-   without one) the
-   plan is installed (the blocks' checkpoints and save regions are rebuilt as a
-   policy dict would build them; blocks planned "none" lose their checkpoint);
-   more micro-batches of the profiling step run full recompute until then, and
-   ``current_plan`` returns None. An output with no tensor that requires grad
-   (the loss kept elsewhere) has no backward to wait for: the plan is installed
-   at the next grad-enabled forward. The next grad-enabled forward is counted once
-   more, and a rank whose real bytes exceed the budget logs a warning.
-   From then on the plan is fixed; the agreement among the ranks at stake
+3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
+   forward of the step is followed until its graph is backpropagated or dropped;
+   the most forwards alive at once is the step's **in-flight count** ``k``, as
+   the schedule ran it (1 without micro-batches or with gradient accumulation;
+   under ``torch.distributed.pipelining``, 1F1B keeps ``p - s`` on stage ``s`` of
+   ``p``, GPipe all of them: whatever the schedule did, observed). A backward
+   that reaches no parameter (pipelining's shape inference runs
+   ``autograd.grad`` for the stage's inputs) is not part of the step: a pre-hook
+   on the parameters' ``AccumulateGrad`` nodes tells them apart.
+4. **The step ends** at the end of the backward of its latest forward (its
+   output's backward, or a replay seen at the next forward when the loss came
+   from elsewhere). Only then is the plan made, so nothing is gathered while the
+   ranks of a pipeline run different forwards. The ranks that run this model
+   alike (the meshes of its DTensor parameters: its TP ranks, its FSDP2 ranks;
+   never another pipeline stage, whose meshes are its own; nobody else for a
+   model with plain parameters) exchange their tables among themselves
+   (``all_gather_objects`` on those groups), take per block and candidate the
+   **maximum over those ranks** of bytes and of time, and solve the same
+   knapsack (``_budget_solver``) with every byte weighted by ``k``: the plan of
+   least recompute time whose peak, ``k x (outside + blocks' bytes)``, fits the
+   budget. The plans' digests are compared once more (a
+   :class:`PlanMismatchError` if they differ). An infeasible budget raises
+   there (naming the model's blocks, ``k``, the peak at full recompute and the
+   budget), and so does every later grad-enabled forward.
+5. The plan is installed at once (the blocks' checkpoints and save regions are
+   rebuilt as a policy dict would build them; blocks planned "none" lose their
+   checkpoint); ``current_plan`` returns None until then. Graphs built before
+   replay as their forward ran. A profiling forward dropped without a backward
+   (a sanity pass) is forgotten, and the next grad-enabled forward profiles
+   again. The next grad-enabled forward is counted once more, and a rank whose
+   real bytes per forward exceed the budget logs a warning. From then on the
+   plan is fixed; the agreement among the ranks at stake
    (``remat_dist.distributed._step``) checks each step as for any other policy.
 
 Cost of the profiling step: per block ``2**r + 1`` extra forwards under the counter
@@ -97,13 +108,13 @@ class BudgetPhase(enum.Enum):
     PROFILE = "profile"
     """The next grad-enabled forward profiles the blocks."""
     PROFILING = "profiling"
-    """That forward runs: each block's side passes, then its real pass."""
+    """The profiling step runs (full recompute): its first forward runs each
+    block's side passes; its forwards are followed until the step ends."""
     WAIT_BACKWARD = "wait for backward"
-    """Planned; the plan is installed when a backward through the profiling step
-    ends (more micro-batches of that step run full recompute until then)."""
+    """Unused since plans are made at the end of the profiling step (kept for
+    callers that compare phases)."""
     WAIT_FORWARD = "wait for forward"
-    """Planned; the profiling forward's output had nothing to backpropagate: the
-    plan is installed at the next grad-enabled forward."""
+    """Planned, about to be installed (a moment inside the step's end)."""
     VERIFY = "verify"
     """Installed; the next grad-enabled forward is counted once more."""
     PLANNED = "planned"

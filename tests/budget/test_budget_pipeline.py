@@ -14,6 +14,9 @@ the schedule kept alive at once on it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -153,6 +156,28 @@ def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_me
     return out, module
 
 
+@contextlib.contextmanager
+def _plan_logs():
+    """The planner's info records while the block runs (as REMAT_DIST_LOG=info
+    shows them)."""
+    logger = logging.getLogger("remat_dist.budget._planner")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "MemoryBudget plan for" in record.getMessage():
+                seen.append(record.getMessage())
+
+    handler, level = Keep(level=logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _bitwise(runs, ref) -> None:
     for (_, losses, grads), (_, ref_losses, ref_grads) in zip(runs, ref):
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
@@ -192,8 +217,12 @@ def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
     kept = []
     for frac in (0.2, 0.5, 0.8):
         budget = int(lo + frac * (hi - lo))
-        runs, module = _run(schedule_name, remat.MemoryBudget(bytes=budget),
-                            pp_group=pp, stage=stage, steps=2)
+        with _plan_logs() as logged:
+            runs, module = _run(schedule_name, remat.MemoryBudget(bytes=budget),
+                                pp_group=pp, stage=stage, steps=2)
+        # REMAT_DIST_LOG=info: each stage's plan once, naming its blocks
+        assert len(logged) == 1, logged
+        assert f"blocks 'layers.{2 * stage}'..'layers.{2 * stage + 1}'" in logged[0]
         for step, (peak, _, _) in enumerate(runs):
             assert peak <= budget, (stage, frac, step, peak, budget)
         _bitwise(runs, ref)
