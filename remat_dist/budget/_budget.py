@@ -24,10 +24,12 @@ class MemoryBudget:
     """A policy for :func:`apply_remat`: keep at most ``bytes`` of activations saved
     for backward per rank, and recompute as little as possible.
 
-    The planner measures every candidate of every block on every rank in the first
-    training step, then chooses the plan of least recompute time that fits the
-    budget on the rank that needs most, the same plan on every rank (see
-    ``docs/memory_budget.md``)::
+    The planner measures every candidate of every block in the first training
+    step, and how many forwards that step keeps alive at once (a pipeline
+    schedule's micro-batches in flight), then chooses the plan of least recompute
+    time whose peak fits the budget on the rank that needs most among the ranks
+    that run the model alike (its TP / FSDP2 ranks: one plan per pipeline stage;
+    see ``docs/memory_budget.md``)::
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
 
@@ -38,11 +40,14 @@ class MemoryBudget:
     """
 
     bytes: int | str
-    """The budget per rank: activation bytes saved for backward during the model's
-    forward call, as ``remat_dist.testing.SavedBytesCounter`` counts them around
-    ``model(batch)`` (unique storages, parameters excluded; a loss computed outside
-    the model is not included). An int, or a string with a suffix (``"1.5GiB"``,
-    ``"512MiB"``, ``"2GB"``); stored as an int."""
+    """The budget per rank: the most activation bytes alive at once in a training
+    step, every forward whose graph is alive counted (the micro-batches a
+    pipeline schedule keeps in flight), each as
+    ``remat_dist.testing.SavedBytesCounter`` counts them around ``model(batch)``
+    (unique storages, parameters excluded; a loss computed outside the model is
+    not included). Without micro-batches in flight, the bytes of one forward. An
+    int, or a string with a suffix (``"1.5GiB"``, ``"512MiB"``, ``"2GB"``); stored
+    as an int."""
     regions: Sequence[str] | None = None
     """Submodule paths (relative to each block) that may be kept as save regions:
     every non-empty subset is a candidate, besides full recompute and no checkpoint

@@ -43,11 +43,19 @@ class BudgetPlan:
         outside_bytes: bytes saved outside the blocks (embeddings, final norm, head),
             maximum over ranks.
         predicted_bytes: ``outside_bytes`` plus the blocks' bytes: what the rank
-            that needs most should save.
+            that needs most should save in one forward.
         predicted_time_s: the blocks' recompute times summed (the objective).
         world_size: ranks the measurements came from (1 without a process group).
-        measured_bytes: this rank's saved bytes in the first step under the plan
-            (None until that step's forward ran).
+        measured_bytes: this rank's saved bytes in the first forward under the
+            plan (None until it ran).
+        in_flight: the most forwards whose graphs were alive at once in the
+            profiling step, on the rank with most (1 without pipelining or
+            interleaved micro-batches; under a pipeline schedule, what the
+            schedule kept alive on this stage).
+        predicted_peak_bytes: ``in_flight * predicted_bytes``: the peak the plan
+            should keep on the rank that needs most, at or under ``budget``.
+        ranks: the global ranks whose measurements were taken (this model's
+            tensor-parallel / FSDP2 ranks; ``(0,)`` without a process group).
     """
 
     budget: int
@@ -57,6 +65,9 @@ class BudgetPlan:
     predicted_time_s: float
     world_size: int = 1
     measured_bytes: int | None = None
+    in_flight: int = 1
+    predicted_peak_bytes: int = 0
+    ranks: tuple[int, ...] = (0,)
 
     def decisions(self) -> dict[str, str]:
         """``{block name: decision}``."""
@@ -65,9 +76,12 @@ class BudgetPlan:
     def format(self) -> str:
         """A few lines for logs: budget, totals, one line per block."""
         head = (
-            f"budget {human(self.budget)}: predicted {human(self.predicted_bytes)} "
-            f"saved per rank (outside blocks {human(self.outside_bytes)}), recompute "
-            f"{self.predicted_time_s * 1e3:.2f} ms per step, over {self.world_size} rank(s)"
+            f"budget {human(self.budget)}: predicted peak "
+            f"{human(self.predicted_peak_bytes or self.predicted_bytes)} per rank = "
+            f"{self.in_flight} forward(s) alive x {human(self.predicted_bytes)} saved "
+            f"(outside blocks {human(self.outside_bytes)}), recompute "
+            f"{self.predicted_time_s * 1e3:.2f} ms per forward, over "
+            f"{self.world_size} rank(s) {list(self.ranks)}"
         )
         rows = [
             f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"

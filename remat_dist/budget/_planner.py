@@ -7,7 +7,7 @@ The life of a model under a budget (one state object on the model, see
    attaches the planner (a forward pre-hook and a forward hook on the model); the
    planner changes blocks only through the ``BlockInstaller`` it was given
    (``remat_dist.wrap``), and its life is a :class:`BudgetPhase`.
-2. **Profiling step** (the first grad-enabled forward of the model). The step
+2. **Profiling forward** (the first grad-enabled forward of the model). It
    trains normally: every block runs its full-recompute checkpoint, so the
    gradients are those of any other plan. Before it does, each block also runs
    *side passes* on fresh copies of its tensor inputs (an in-place update of an
@@ -20,29 +20,40 @@ The life of a model under a budget (one state object on the model, see
    the real pass draws the same dropout masks and updates the buffers once. A
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
-   model's forward runs under a counter too (chained to any saved-tensor hooks of
+   profiling forward runs under a counter too (chained to any saved-tensor hooks of
    the caller), which gives the bytes saved outside the blocks.
-3. At the end of that forward every rank sends its table to every other
-   (``all_gather``), takes per block and candidate the **maximum over ranks** of
-   bytes and of time, and solves the same knapsack (``_budget_solver``): every
-   rank computes the same plan from the same numbers, and the plans' digests are
-   compared once more (a :class:`PlanMismatchError` if they differ, raised at
-   once). An infeasible budget is raised at the end of the profiling step's
-   backward (or at once when no backward will run), naming the smallest feasible
-   budget. Either failure is raised again by every later grad-enabled forward.
-4. A profiling forward dropped without a backward (its graph gone, no backward
-   started since: a sanity pass) is forgotten, and the next grad-enabled forward
-   profiles again. When the first backward after the profiling forward ends
-   (through its output, or through a later forward's when that output was kept
-   without one) the
-   plan is installed (the blocks' checkpoints and save regions are rebuilt as a
-   policy dict would build them; blocks planned "none" lose their checkpoint);
-   more micro-batches of the profiling step run full recompute until then, and
-   ``current_plan`` returns None. An output with no tensor that requires grad
-   (the loss kept elsewhere) has no backward to wait for: the plan is installed
-   at the next grad-enabled forward. The next grad-enabled forward is counted once
-   more, and a rank whose real bytes exceed the budget logs a warning.
-   From then on the plan is fixed; the agreement among the ranks at stake
+3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
+   forward of the step is followed until its graph is backpropagated or dropped;
+   the most forwards alive at once is the step's **in-flight count** ``k``, as
+   the schedule ran it (1 without micro-batches or with gradient accumulation;
+   under ``torch.distributed.pipelining``, 1F1B keeps ``p - s`` on stage ``s`` of
+   ``p``, GPipe all of them: whatever the schedule did, observed). A backward
+   that reaches no parameter (pipelining's shape inference runs
+   ``autograd.grad`` for the stage's inputs) is not part of the step: a pre-hook
+   on the parameters' ``AccumulateGrad`` nodes tells them apart.
+4. **The step ends** at the end of the backward of its latest forward (its
+   output's backward, or a replay seen at the next forward when the loss came
+   from elsewhere). Only then is the plan made, so nothing is gathered while the
+   ranks of a pipeline run different forwards. The ranks that run this model
+   alike (the meshes of its DTensor parameters: its TP ranks, its FSDP2 ranks;
+   never another pipeline stage, whose meshes are its own; nobody else for a
+   model with plain parameters) exchange their tables among themselves
+   (``all_gather_objects`` on those groups), take per block and candidate the
+   **maximum over those ranks** of bytes and of time, and solve the same
+   knapsack (``_budget_solver``) with every byte weighted by ``k``: the plan of
+   least recompute time whose peak, ``k x (outside + blocks' bytes)``, fits the
+   budget. The plans' digests are compared once more (a
+   :class:`PlanMismatchError` if they differ). An infeasible budget raises
+   there (naming the model's blocks, ``k``, the peak at full recompute and the
+   budget), and so does every later grad-enabled forward.
+5. The plan is installed at once (the blocks' checkpoints and save regions are
+   rebuilt as a policy dict would build them; blocks planned "none" lose their
+   checkpoint); ``current_plan`` returns None until then. Graphs built before
+   replay as their forward ran. A profiling forward dropped without a backward
+   (a sanity pass) is forgotten, and the next grad-enabled forward profiles
+   again. The next grad-enabled forward is counted once more, and a rank whose
+   real bytes per forward exceed the budget logs a warning. From then on the
+   plan is fixed; the agreement among the ranks at stake
    (``remat_dist.distributed._step``) checks each step as for any other policy.
 
 Cost of the profiling step: per block ``2**r + 1`` extra forwards under the counter
@@ -67,7 +78,8 @@ from torch import nn
 
 from remat_dist._errors import PlanMismatchError, RematUsageError
 from remat_dist._logging import get_logger
-from remat_dist.budget._backward import at_end_of_backward, input_shapes
+from remat_dist._torch._autograd import current_graph_task_id
+from remat_dist.budget._backward import at_end_of_backward, input_shapes, tensors_in
 from remat_dist.budget._config import BlockPlan, BudgetPlan
 from remat_dist.budget._profile import (
     Candidate,
@@ -79,6 +91,7 @@ from remat_dist.budget._profile import (
 )
 from remat_dist.budget._solver import solve
 from remat_dist.distributed import all_gather_objects, dist_ready
+from remat_dist.distributed._intercept import _bypass
 from remat_dist.wrap import BlockInstaller, planner_of
 
 if TYPE_CHECKING:
@@ -95,13 +108,13 @@ class BudgetPhase(enum.Enum):
     PROFILE = "profile"
     """The next grad-enabled forward profiles the blocks."""
     PROFILING = "profiling"
-    """That forward runs: each block's side passes, then its real pass."""
+    """The profiling step runs (full recompute): its first forward runs each
+    block's side passes; its forwards are followed until the step ends."""
     WAIT_BACKWARD = "wait for backward"
-    """Planned; the plan is installed when a backward through the profiling step
-    ends (more micro-batches of that step run full recompute until then)."""
+    """Unused since plans are made at the end of the profiling step (kept for
+    callers that compare phases)."""
     WAIT_FORWARD = "wait for forward"
-    """Planned; the profiling forward's output had nothing to backpropagate: the
-    plan is installed at the next grad-enabled forward."""
+    """Planned, about to be installed (a moment inside the step's end)."""
     VERIFY = "verify"
     """Installed; the next grad-enabled forward is counted once more."""
     PLANNED = "planned"
@@ -110,6 +123,18 @@ class BudgetPhase(enum.Enum):
     """The planner cannot go on: every later grad-enabled forward raises ``error``."""
     REMOVED = "removed"
     """``remove_remat`` detached it (a plan pending at a backward's end is dropped)."""
+
+
+@dataclass
+class _Forward:
+    """One grad-enabled forward of the profiling step, followed until its graph is
+    backpropagated (``done``) or dropped (its checkpoint records all gone, no
+    replay since)."""
+
+    records: weakref.WeakSet[Any]
+    replays_at: int
+    done: bool = False
+    profiling: bool = False  # the forward that ran the side passes
 
 
 @dataclass
@@ -124,22 +149,30 @@ class _Planner:
     params: set[Any] = field(default_factory=set)
     table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # per block, in the profiling forward
+    outside: int = 0  # bytes the profiling forward saved outside the blocks
+    profiling_now: bool = False  # the forward running now runs the side passes
+    profiled: bool = False  # the side passes' table is complete
     plan: BudgetPlan | None = None
     error: Exception | None = None
     handles: list[Any] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # profiling inputs
-    profile_graph: weakref.WeakSet[Any] | None = None
-    """The profiling forward's block records, alive while its graph is; with
-    ``backward_seen`` False, an empty set means that forward was dropped without a
-    backward, and the next forward profiles again."""
-    backward_seen: bool = False
-    replays_at_profile: int = 0
+    step: list[_Forward] = field(default_factory=list)
+    """The profiling step's forwards whose graphs may be alive."""
+    in_flight: int = 0
+    """The most forwards of the profiling step alive at once, as observed."""
+    records_before: set[int] = field(default_factory=set)
+    trained_tasks: set[int] = field(default_factory=set)
+    """Graph tasks (backward calls) that accumulated into a parameter."""
+    grad_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    groups: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)
+    """``(ranks, process group)`` that agree on the plan (:func:`_agreeing_groups`)."""
 
     def detach(self) -> None:
         self.phase = BudgetPhase.REMOVED
         for h in self.handles:
             h.remove()
         self.handles = []
+        _drop_grad_hooks(self)
 
     def go(self, phase: BudgetPhase) -> None:
         self.phase = phase
@@ -201,30 +234,34 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
     if state.phase is BudgetPhase.FAILED:
         assert state.error is not None
         raise type(state.error)(str(state.error))
-    if (
-        state.phase is BudgetPhase.WAIT_BACKWARD
-        and not state.backward_seen
-        and not state.profile_graph
-    ):
-        if state.installer.replays() > state.replays_at_profile:
-            # a backward replayed the blocks without going through the output (a
-            # loss taken from an intermediate): it has ended, install now
-            _install_plan(state)
-        else:
+    if state.phase is BudgetPhase.PROFILING:
+        _settle(state)
+        if _step_ended(state):
+            # the step ended in a backward that did not go through an output (a
+            # loss from an intermediate), or its output had nothing to
+            # backpropagate: plan and install before this forward
+            _finish_step(state)
+        elif not state.profiled:
             log.info(
                 "MemoryBudget: the profiling forward was dropped without a backward "
                 "(a sanity forward with grad enabled?); this forward profiles again"
             )
             state.go(BudgetPhase.PROFILE)
-            state.plan = None
-    if state.phase is BudgetPhase.WAIT_FORWARD:
-        _install_plan(state)
     if state.phase is BudgetPhase.PROFILE:
         state.go(BudgetPhase.PROFILING)
         state.shapes = input_shapes(args)
         state.table = [{} for _ in state.installer.blocks]
         state.calls = [0 for _ in state.installer.blocks]
-    if state.phase in (BudgetPhase.PROFILING, BudgetPhase.VERIFY):
+        state.step, state.in_flight, state.profiled = [], 0, False
+        state.trained_tasks = set()
+        state.profiling_now = True
+    if state.phase is BudgetPhase.PROFILING:
+        state.records_before = {id(r) for r in state.installer.live_records()}
+        if dist_ready():
+            # before FSDP2 unshards (this hook runs first): its parameters are
+            # DTensors on their mesh now, and may be plain tensors at the step's end
+            _note_groups(state, model)
+    if state.profiling_now or state.phase is BudgetPhase.VERIFY:
         state.params = param_keys(model)
         state.counter = Counter(state.params, chain=True)
         state.counter.__enter__()
@@ -232,60 +269,147 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
 
 def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
-    if state.phase is BudgetPhase.WAIT_BACKWARD and torch.is_grad_enabled():
-        # the plan waits for a backward to end; this forward's backward may be the
-        # first (the profiling forward's output was kept without one)
-        at_end_of_backward(
-            output, functools.partial(_install_plan, state), _backward_seen(state)
-        )
-    if counter is None:
-        return
-    counter.__exit__(None, None, None)
-    if state.phase is BudgetPhase.VERIFY:
+    if counter is not None:
+        counter.__exit__(None, None, None)
+    if state.phase is BudgetPhase.VERIFY and counter is not None:
         state.go(BudgetPhase.PLANNED)
         _check_measured(state, counter.total, args)
         return
-    if state.phase is not BudgetPhase.PROFILING:
+    if state.phase is not BudgetPhase.PROFILING or not torch.is_grad_enabled():
         return
+    profiling, state.profiling_now = state.profiling_now, False
     # an always-called hook: after a forward that raised, from inside its handler
     if output is None and sys.exc_info()[0] is not None:
-        state.go(BudgetPhase.PROFILE)  # profile the next step instead
+        if profiling:
+            state.go(BudgetPhase.PROFILE)  # profile the next step instead
         return
-    blocks = state.installer.blocks
-    unused = [name for (name, _), n in zip(blocks, state.calls) if n == 0]
-    if unused:
-        shown = ", ".join(repr(n) for n in unused[:8]) + (", ..." if len(unused) > 8 else "")
-        _fail(state, output, RematUsageError(
-            f"remat_dist.MemoryBudget: {len(unused)} selected block(s) never ran in the "
-            f"profiling forward: {shown}. The planner needs every block's "
-            "measurements, and a block skipped in some steps (layer drop, a branch) "
-            "would run a plan made without it. The gradients of this step are right. "
-            "Fix: select only the blocks the forward calls in every step "
-            "(remove_remat(model), then apply_remat with blocks=... naming them)."
-        ))
+    if profiling:
+        assert counter is not None
+        blocks = state.installer.blocks
+        unused = [name for (name, _), n in zip(blocks, state.calls) if n == 0]
+        if unused:
+            shown = ", ".join(repr(n) for n in unused[:8]) + (", ..." if len(unused) > 8 else "")
+            _fail(state, output, RematUsageError(
+                f"remat_dist.MemoryBudget: {len(unused)} selected block(s) never ran in "
+                f"the profiling forward: {shown}. The planner needs every block's "
+                "measurements, and a block skipped in some steps (layer drop, a "
+                "branch) would run a plan made without it. The gradients of this step "
+                "are right. Fix: select only the blocks the forward calls in every "
+                "step (remove_remat(model), then apply_remat with blocks=... naming "
+                "them)."
+            ))
+            return
+        full = sum(row["full"][0] for row in state.table)
+        state.outside = max(0, counter.total - full)
+        state.profiled = True
+    before = state.records_before
+    fwd = _Forward(
+        records=weakref.WeakSet(
+            r for r in state.installer.live_records() if id(r) not in before
+        ),
+        replays_at=state.installer.replays(),
+        profiling=profiling,
+    )
+    state.step.append(fwd)
+    _hook_parameters(state, output)
+    if not at_end_of_backward(
+        output, functools.partial(_backward_ended, state, fwd), functools.partial(_done, fwd)
+    ):
+        # no tensor of the output requires grad: a backward, if any, goes through
+        # something else (a loss kept on the model); the next forward plans
+        fwd.done = True
+    state.in_flight = max(state.in_flight, sum(not f.done for f in state.step) or 1)
+
+
+def _done(fwd: _Forward) -> None:
+    fwd.done = True
+
+
+def _settle(state: _Planner) -> None:
+    """Forget the step's forwards whose graphs died: after a replay since they ran
+    (a backward that did not go through their output) they count as done, else as
+    dropped without backward. A dropped profiling forward (a sanity pass) makes
+    the next forward profile again, on its own batch."""
+    keep = []
+    for f in state.step:
+        if not f.done and not f.records:
+            if state.installer.replays() > f.replays_at:
+                f.done = True
+            else:
+                if f.profiling:
+                    state.profiled = False
+                continue  # dropped
+        keep.append(f)
+    state.step = keep
+
+
+def _step_ended(state: _Planner) -> bool:
+    """The profiling step has ended when its latest forward is backpropagated: a
+    schedule's last backward (1F1B, GPipe: every micro-batch in flight is done by
+    then), or the one backward of a step without micro-batches. A graph kept but
+    never backpropagated (a sanity forward whose output is held) does not hold
+    the plan back; it counts among the forwards alive while it lives."""
+    return state.profiled and bool(state.step) and state.step[-1].done
+
+
+def _backward_ended(state: _Planner, fwd: _Forward) -> None:
+    """At the end of a backward through ``fwd``'s output: a backward that reached
+    no parameter (``torch.distributed.pipelining``'s shape inference runs one,
+    ``autograd.grad`` for the inputs) is not part of the training step; once every
+    forward of the profiling step is backpropagated, the step has ended."""
+    if state.phase is not BudgetPhase.PROFILING:
         return
-    full = sum(row["full"][0] for row in state.table)
-    outside = max(0, counter.total - full)
+    task = current_graph_task_id()
+    if state.grad_hooks and task not in state.trained_tasks:
+        state.step = [f for f in state.step if f is not fwd]
+        return
+    if _step_ended(state):
+        _finish_step(state)
+
+
+def _hook_parameters(state: _Planner, output: Any) -> None:
+    """Mark every backward that accumulates into a parameter this forward used
+    (a pre-hook on its ``AccumulateGrad`` node, which ``autograd.grad`` for the
+    inputs does not run)."""
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    hooks = state.grad_hooks
+
+    def trained(grad_outputs: Any) -> None:
+        state.trained_tasks.add(current_graph_task_id())
+
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # AccumulateGrad
+            if id(node) not in hooks:
+                hooks[id(node)] = (node, node.register_prehook(trained))
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+
+
+def _drop_grad_hooks(state: _Planner) -> None:
+    for _, handle in state.grad_hooks.values():
+        handle.remove()
+    state.grad_hooks = {}
+
+
+def _finish_step(state: _Planner) -> None:
+    """The profiling step has ended: plan (agreed among the ranks that run this
+    model alike), then install the plan. An error fails the planner and is raised
+    here (at the end of the step's backward, or in the next forward)."""
+    _drop_grad_hooks(state)
+    state.step = []
     try:
-        _plan(state, outside)
-    except PlanMismatchError as e:
+        _plan(state, state.outside)
+    except (PlanMismatchError, RematUsageError) as e:
         state.go(BudgetPhase.FAILED)  # later forwards raise it again
         state.error = e
         raise
-    except RematUsageError as e:
-        _fail(state, output, e)
-        return
-    state.backward_seen = False
-    state.replays_at_profile = state.installer.replays()
-    state.profile_graph = weakref.WeakSet(state.installer.live_records())
-    if at_end_of_backward(
-        output, functools.partial(_install_plan, state), _backward_seen(state)
-    ):
-        state.go(BudgetPhase.WAIT_BACKWARD)
-    else:
-        # no tensor of the output requires grad: a backward, if any, goes through
-        # something else (a loss kept on the model); before the next forward
-        state.go(BudgetPhase.WAIT_FORWARD)
+    state.go(BudgetPhase.WAIT_FORWARD)
+    _install_plan(state)
 
 
 def _check_measured(state: _Planner, total: int, args: Any) -> None:
@@ -313,13 +437,6 @@ def _check_measured(state: _Planner, total: int, args: Any) -> None:
     )
 
 
-def _backward_seen(state: _Planner) -> Callable[[], None]:
-    def seen() -> None:
-        state.backward_seen = True
-
-    return seen
-
-
 def _fail(state: _Planner, output: Any, error: Exception) -> None:
     """The planner cannot go on: raise ``error`` at the end of the profiling step's
     backward (its gradients are complete), or now when no backward will come; every
@@ -341,7 +458,7 @@ def _profiled(state: _Planner, index: int, run: Any) -> Any:
     installer = state.installer
 
     def profiled_run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if state.phase is BudgetPhase.PROFILING and torch.is_grad_enabled():
+        if state.profiling_now and torch.is_grad_enabled():
             side = installer.side_passes() if installer.side_passes else contextlib.nullcontext()
             with side:
                 row = profile_block(
@@ -365,21 +482,37 @@ def _profiled(state: _Planner, index: int, run: Any) -> Any:
 
 
 def _plan(state: _Planner, outside: int) -> None:
+    """Plan from this rank's table and those of the ranks that run this model
+    alike (:func:`_agreeing_groups`), never across pipeline stages: per block and
+    candidate the maxima over those ranks; the peak of a plan is its bytes per
+    forward times the most forwards alive at once in the profiling step."""
     labels = [[c.label for c in cands] for cands in state.candidates]
+    me = _global_rank()
     mine = {
+        "rank": me,
         "outside": outside,
+        "in_flight": max(1, state.in_flight),
         "labels": labels,
         "table": [[list(row[label]) for label in ls] for row, ls in zip(state.table, labels)],
     }
-    ranks = all_gather_objects(mine) if dist_ready() else [mine]
-    for r, theirs in enumerate(ranks):
+    groups = _agreeing_groups(state) if dist_ready() else []
+    records = {me: mine}
+    for group in groups:
+        with _bypass():  # the planner's own exchange, not a collective of the model
+            got = all_gather_objects([records[r] for r in sorted(records)], group=group)
+        for theirs in got:
+            for rec in theirs:
+                records.setdefault(rec["rank"], rec)
+    ranks = [records[r] for r in sorted(records)]
+    for theirs in ranks:
         if theirs["labels"] != labels:
             raise PlanMismatchError(
-                f"remat_dist.MemoryBudget: rank {r} has other candidates than this "
-                f"rank ({theirs['labels']} vs {labels}): the blocks or their "
+                f"remat_dist.MemoryBudget: rank {theirs['rank']} has other candidates "
+                f"than this rank ({theirs['labels']} vs {labels}): the blocks or their "
                 "submodules differ across ranks. Fix: build the same model on every rank."
             )
     outside_max = max(r["outside"] for r in ranks)
+    k = max(r["in_flight"] for r in ranks)
     costs = [
         [
             (max(int(r["table"][b][c][0]) for r in ranks),
@@ -389,30 +522,35 @@ def _plan(state: _Planner, outside: int) -> None:
         for b in range(len(labels))
     ]
     budget = state.budget.bytes
-    smallest = outside_max + sum(min(w for w, _ in block) for block in costs)
+    smallest = k * (outside_max + sum(min(w for w, _ in block) for block in costs))
     if budget < smallest:
         per_rank = [
-            r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"])
+            r["in_flight"] * (r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"]))
             for r in ranks
         ]
         worst = max(range(len(ranks)), key=lambda i: per_rank[i])
-        who = f"rank {worst} needs most: {per_rank[worst]:,} bytes, " if len(ranks) > 1 else ""
+        who = (
+            f"rank {ranks[worst]['rank']} needs most: {per_rank[worst]:,} bytes, "
+            if len(ranks) > 1 else ""
+        )
         least = [labels[b][min(range(len(blk)), key=lambda c: blk[c][0])]
                  for b, blk in enumerate(costs)]
         raise RematUsageError(
             f"remat_dist.MemoryBudget: a budget of {budget:,} bytes ({human(budget)}) "
-            f"cannot be met: the smallest feasible budget is {smallest:,} bytes "
-            f"({human(smallest)}), {_describe_least(least)} ({who}{outside_max:,} "
-            "bytes of it outside the blocks). The gradients of this profiling "
-            "step are right, but do "
-            f"not go on with this budget. Fix: MemoryBudget(bytes={smallest}) or more, "
-            "a smaller batch per rank, or finer blocks."
+            f"cannot be met on {_stage_name(state)}, with {k} forward(s) alive at once "
+            f"at its peak: its peak at full recompute, the smallest feasible budget is "
+            f"{smallest:,} bytes ({human(smallest)}), {_describe_least(least)} "
+            f"({who}{k} x {outside_max:,} bytes of it outside the blocks). The "
+            "gradients of this profiling step are right, but do not go on with this "
+            f"budget. Fix: MemoryBudget(bytes={smallest}) or more, a smaller batch per "
+            "rank (or micro-batch), or finer blocks."
         )
-    everything = outside_max + sum(block[-1][0] for block in costs)
+    everything = k * (outside_max + sum(block[-1][0] for block in costs))
     if budget >= everything:
         choice = [len(block) - 1 for block in costs]  # "none" is listed last
     else:
-        found = solve(costs, budget - outside_max)
+        scaled = [[(k * w, t) for w, t in block] for block in costs]
+        found = solve(scaled, budget - k * outside_max)
         assert found is not None  # feasible: checked above
         choice = found
     blocks = []
@@ -424,17 +562,22 @@ def _plan(state: _Planner, outside: int) -> None:
             name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
             candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
         ))
+    predicted = outside_max + sum(b.bytes for b in blocks)
     plan = BudgetPlan(
         budget=budget,
         blocks=blocks,
         outside_bytes=outside_max,
-        predicted_bytes=outside_max + sum(b.bytes for b in blocks),
+        predicted_bytes=predicted,
         predicted_time_s=sum(b.time_s for b in blocks),
         world_size=len(ranks),
+        in_flight=k,
+        predicted_peak_bytes=k * predicted,
+        ranks=tuple(r["rank"] for r in ranks),
     )
-    if dist_ready():
-        digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
-        digests = all_gather_objects(digest)
+    digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
+    for group in groups:
+        with _bypass():
+            digests = all_gather_objects(digest, group=group)
         if len(set(digests)) > 1:
             raise PlanMismatchError(
                 "remat_dist.MemoryBudget: the ranks chose different plans from the "
@@ -442,7 +585,59 @@ def _plan(state: _Planner, outside: int) -> None:
                 "please report it with the REMAT_DIST_LOG=info output of every rank."
             )
     state.plan = plan
-    log.info("MemoryBudget plan, applied from the next step:\n%s", plan.format())
+    log.info("MemoryBudget plan for %s, applied from now on:\n%s",
+             _stage_name(state), plan.format())
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist_ready() else 0
+
+
+def _stage_name(state: _Planner) -> str:
+    """The model (a pipeline stage) by its blocks: ``blocks 'layers.2'..'layers.3'``."""
+    names = [name for name, _ in state.installer.blocks]
+    if not names:
+        return "this model"
+    if len(names) == 1:
+        return f"the model of block {names[0]!r}"
+    return f"the model of blocks {names[0]!r}..{names[-1]!r}"
+
+
+def _agreeing_groups(state: _Planner) -> list[Any]:
+    """The process groups whose ranks run this model alike, step by step: every
+    dimension of the device meshes of its DTensor parameters (tensor parallel,
+    FSDP2), in the order the parameters first name them (the same on every rank),
+    as seen at the profiling step's forwards. A pipeline stage's meshes hold its
+    own ranks only, so stages plan apart; a model without DTensor parameters
+    (plain pipelining, DDP, one rank) plans on its own rank, with nothing of it
+    at stake."""
+    return [group for _, group in state.groups]
+
+
+def _note_groups(state: _Planner, model: nn.Module) -> None:
+    import torch.distributed as dist
+
+    seen = {ranks for ranks, _ in state.groups}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None or not _is_dtensor(p):
+            continue
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if len(ranks) > 1 and ranks not in seen:
+                seen.add(ranks)
+                state.groups.append((ranks, group))
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
 
 
 def _describe_least(labels: list[str]) -> str:

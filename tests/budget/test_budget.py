@@ -149,7 +149,7 @@ def test_three_budgets_single_process(caplog):
             runs = run_steps(model, batch)
         plan = current_plan(model)
         assert plan is not None and plan.budget == budget
-        assert "MemoryBudget plan, applied from the next step" in caplog.text
+        assert "MemoryBudget plan for the model of blocks" in caplog.text
         # the profiling step runs full recompute; then the plan
         assert runs[0][0] == full_bytes
         for step, ((saved, grads), (_, ref_grads)) in enumerate(zip(runs, ref)):
@@ -300,12 +300,13 @@ def test_micro_batches_of_the_profiling_step_and_later_steps():
 
 
 def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
-    """1F1B order in the profiling step (F1 F2 B1 F3 B2 B3): the plan is installed
-    at the end of B1, while micro-batch 2's graph, built under full recompute,
-    waits for B2: its replay runs the blocks as its forward did (no region), F3
-    runs the plan; gradients bitwise those without remat, in this step and the
-    next. The recompute times are fixed (a block 1.0, its attention 0.6, its MLP
-    0.3), so that the plan saves regions whatever this machine's load."""
+    """1F1B order in the profiling step (F1 F2 B1 F3 B2 B3): two graphs are alive
+    at once, so the step is planned for 2 forwards in flight, at its end (B3, the
+    latest forward's backward): until then every micro-batch runs full recompute.
+    The next step runs the plan; its peak (2 forwards alive) fits the budget;
+    gradients bitwise those without remat, in this step and the next. The
+    recompute times are fixed (a block 1.0, its attention 0.6, its MLP 0.3), so
+    that the plan saves regions whatever this machine's load."""
     from remat_dist.budget import _profile as _budget_profile
 
     monkeypatch.setattr(
@@ -316,16 +317,19 @@ def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
     )
     micro = [make_batch(CFG, 2, seed=s) for s in (5, 6, 7)]
 
-    def loss_of(model, batch):
+    def loss_of(model, batch, saved):
         tokens, targets = batch
-        return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        with SavedBytesCounter(model.parameters()) as count:
+            logits = model(tokens)
+        saved.append(count.activation_bytes)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    def step(model, seed, plans):
+    def step(model, seed, plans, saved):
         torch.manual_seed(seed)
-        l1, l2 = loss_of(model, micro[0]), loss_of(model, micro[1])
+        l1, l2 = loss_of(model, micro[0], saved), loss_of(model, micro[1], saved)
         l1.backward()
         plans.append(model.__dict__.get(PLANNER_ATTR) and current_plan(model))
-        l3 = loss_of(model, micro[2])
+        l3 = loss_of(model, micro[2], saved)
         l2.backward()
         l3.backward()
         plans.append(model.__dict__.get(PLANNER_ATTR) and current_plan(model))
@@ -333,15 +337,24 @@ def test_interleaved_micro_batches_of_the_profiling_step(monkeypatch):
         model.zero_grad(set_to_none=True)
         return grads
 
-    ref = [step(_model(), s, []) for s in (0, 1)]
+    ref = [step(_model(), s, [], []) for s in (0, 1)]
     full = run_steps(_model("full"), micro[0], steps=1)[0][0]
     none = run_steps(_model(), micro[0], steps=1)[0][0]
-    model = _model(remat.MemoryBudget(bytes=(full + none) // 2))
+    budget = full + none  # two forwards in flight, each half-way
+    model = _model(remat.MemoryBudget(bytes=budget))
     plans: list = []
-    first = step(model, 0, plans)
-    assert plans[0] is not None and plans[1] is plans[0]  # installed after B1
-    assert set(plans[0].decisions().values()) - {"full", "none"}  # regions saved
-    second = step(model, 1, plans)
+    saved: list = []
+    first = step(model, 0, plans, saved)
+    assert plans[0] is None and plans[1] is not None  # planned at the step's end
+    assert saved == [full] * 3
+    plan = plans[1]
+    assert plan.in_flight == 2 and plan.predicted_peak_bytes == 2 * plan.predicted_bytes
+    assert plan.predicted_peak_bytes <= budget
+    assert set(plan.decisions().values()) - {"full", "none"}  # regions saved
+    saved.clear()
+    second = step(model, 1, plans, saved)
+    assert plans[2] is plans[3] is plan
+    assert max(saved[0] + saved[1], saved[1] + saved[2]) <= budget, saved
     assert grads_equal(first, ref[0]) and grads_equal(second, ref[1])
 
 
@@ -683,13 +696,17 @@ def test_plan_mismatch_keeps_raising(monkeypatch):
 
     model = _net(remat.MemoryBudget(bytes="1MiB"))
     monkeypatch.setattr(budget_mod, "dist_ready", lambda: True)
+    monkeypatch.setattr(budget_mod, "_agreeing_groups", lambda state: [None])
+    monkeypatch.setattr(budget_mod, "_global_rank", lambda: 0)
     monkeypatch.setattr(  # "rank 1" has other candidates
         budget_mod, "all_gather_objects",
-        lambda obj: [obj, dict(obj, labels=[["full", "none"]] * len(obj["labels"]))],
+        lambda obj, group=None: [obj, [
+            dict(r, rank=1, labels=[["full", "none"]] * len(r["labels"])) for r in obj
+        ]],
     )
     x = torch.randn(8, 16)
-    with pytest.raises(PlanMismatchError, match="other candidates"):
-        model(x)
+    with pytest.raises(PlanMismatchError, match="rank 1 has other candidates"):
+        model(x).sum().backward()  # planned at the end of the profiling step
     calls = []
     model.blocks[0].attention.register_forward_hook(lambda *a: calls.append(1))
     with pytest.raises(PlanMismatchError, match="other candidates"):

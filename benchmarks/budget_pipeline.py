@@ -1,0 +1,317 @@
+"""MemoryBudget under pipeline parallelism: a plan per stage against one uniform plan.
+
+Two pipeline stages on two gloo processes (CPU), each a slice of the reference GPT
+(4 blocks per stage by default), 4 micro-batches per step, for each schedule
+(``Schedule1F1B``, ``ScheduleGPipe``) and budget. Per variant and rank:
+
+* ``peak``: the most activation bytes alive at once over a whole step on that
+  rank (unique storages saved by autograd in the stage's forwards, parameters
+  apart, followed until autograd frees them), the maximum over the timed steps;
+* ``recompute_ms``: recompute time per step as the planner measured it (the
+  plan's recompute time per forward x micro-batches);
+* ``step_ms``: the median wall time of a schedule step (the slower rank's).
+
+Variants: ``none`` (no checkpoint), ``full`` (full recompute), ``per-stage``
+(``MemoryBudget(bytes=B)`` on each stage: each plans for the forwards its schedule
+keeps alive) and ``uniform`` (the one plan, the same decision for the i-th block
+of every stage, of least summed recompute time whose peak fits ``B`` on every
+stage, priced on the per-stage planners' own measurements and installed as a
+fixed policy). The budgets lie between the worst rank's peak at full recompute
+and no checkpoint's (``--fractions``). ``imbalance`` is max/mean of the ranks'
+peaks.
+
+    python benchmarks/budget_pipeline.py --json budget_pipeline.json
+
+Prints a table and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import remat_dist as remat  # noqa: E402
+from remat_dist.core import plain  # noqa: E402
+from remat_dist.distributed import all_gather_objects  # noqa: E402
+from remat_dist.models import GPT, Block, GPTConfig, make_batch  # noqa: E402
+
+
+class Stage(nn.Module):
+    """Blocks ``layer_ids`` of a GPT; the first stage embeds, the last ends with
+    the final norm and the head."""
+
+    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        if last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
+        for block in self.layers.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+class _Held:
+    __slots__ = ("t", "meter", "key")
+
+    def __init__(self, t, meter, key):
+        self.t, self.meter, self.key = t, meter, key
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+class Peak:
+    """Live activation bytes of ``module``'s forwards' graphs, and their peak."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = {self.key(p) for p in module.parameters()}
+        self.live: dict = {}
+        self.total = self.peak = 0
+        self.hooks = remat.saved_tensors_hooks(self.pack, lambda h: h.t)
+        module.register_forward_pre_hook(self.enter, prepend=True)
+        module.register_forward_hook(self.exit, always_call=True)
+
+    def enter(self, module, args) -> None:
+        self.hooks.__enter__()
+
+    def exit(self, module, args, output) -> None:
+        self.hooks.__exit__(None, None, None)
+
+    @staticmethod
+    def key(t):
+        local = plain(t)
+        return (local.device, local.untyped_storage()._cdata)
+
+    def pack(self, t):
+        key = self.key(t)
+        local = plain(t)
+        if key in self.params or isinstance(local, nn.Parameter):
+            return _Held(t.detach(), self, None)
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [local.untyped_storage().nbytes(), 0]
+            self.total += entry[0]
+            self.peak = max(self.peak, self.total)
+        entry[1] += 1
+        return _Held(t.detach(), self, key)
+
+    def release(self, key):
+        entry = self.live.get(key) if key is not None else None
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]
+            self.total -= entry[0]
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _run(args, rank, schedule_name, policy, config):
+    """Build this rank's stage under ``policy``, run warm-up + timed steps: peak,
+    median step time, the stage module."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as sch
+
+    per = args.layers
+    torch.manual_seed(0)
+    module = Stage(GPT(config), list(range(rank * per, (rank + 1) * per)), rank == 0, rank == 1)
+    if policy is not None:
+        remat.apply_remat(module, blocks=Block, policy=policy)
+    meter = Peak(module)
+    pipe = PipelineStage(module, rank, 2, torch.device("cpu"))
+    schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
+    tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
+    times, peaks = [], []
+    for step in range(args.warmup + args.iters):
+        module.zero_grad(set_to_none=True)
+        meter.peak = meter.total
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets, losses=[])
+        dist.barrier()
+        if step >= args.warmup or step == 0:
+            peaks.append(meter.peak)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return max(peaks[1:] or peaks), statistics.median(times), module
+
+
+def _uniform(tables, budget):
+    """The one decision vector (by block position) of least summed recompute time
+    whose predicted peak fits ``budget`` on every stage; None if none does."""
+    n = len(tables[0]["blocks"])
+    labels = list(tables[0]["blocks"][0])
+    best = None
+    for choice in itertools.product(labels, repeat=n):
+        time_s, fits = 0.0, True
+        for tab in tables:
+            w = tab["outside"] + sum(tab["blocks"][b][c][0] for b, c in enumerate(choice))
+            fits &= tab["in_flight"] * w <= budget
+            time_s += sum(tab["blocks"][b][c][1] for b, c in enumerate(choice))
+        if fits and (best is None or time_s < best[0]):
+            best = (time_s, choice)
+    return None if best is None else list(best[1])
+
+
+def _policy_of(choice, names):
+    decided = dict(zip(names, choice))
+
+    def policy(name, module):
+        label = decided[name]
+        if label in ("full", "none"):
+            return label
+        return {p: "save" for p in label.removeprefix("save ").split("+")}
+
+    return policy
+
+
+def _worker(rank, args, store_path, out_path):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    config = GPTConfig(vocab_size=256, seq_len=args.seq, dim=args.dim, n_heads=4,
+                       n_layers=2 * args.layers)
+    rows = []
+    for schedule_name in args.schedules:
+        peak_none, t_none, _ = _run(args, rank, schedule_name, None, config)
+        peak_full, t_full, _ = _run(args, rank, schedule_name, "full", config)
+        nones = all_gather_objects(peak_none)
+        fulls = all_gather_objects(peak_full)
+        for variant, peaks, step in (("none", nones, t_none), ("full", fulls, t_full)):
+            steps = all_gather_objects(step)
+            rows.append({"schedule": schedule_name, "variant": variant, "budget": None,
+                         "peak_per_rank": peaks, "step_ms": max(steps) * 1e3,
+                         "recompute_ms": None, "decisions": None})
+        lo, hi = max(fulls), max(nones)
+        for frac in args.fractions:
+            budget = int(lo + frac * (hi - lo))
+            peak, step, module = _run(args, rank, schedule_name,
+                                      remat.MemoryBudget(bytes=budget), config)
+            plan = remat.current_plan(module)
+            mine = {
+                "outside": plan.outside_bytes, "in_flight": plan.in_flight,
+                "blocks": [b.candidates for b in plan.blocks],
+                "names": [b.name for b in plan.blocks],
+            }
+            tables = all_gather_objects(mine)
+            recompute = args.micro * plan.predicted_time_s
+            per = {
+                "peak_per_rank": all_gather_objects(peak),
+                "step_ms": max(all_gather_objects(step)) * 1e3,
+                "recompute_ms": sum(all_gather_objects(recompute)) * 1e3,
+                "decisions": all_gather_objects(list(plan.decisions().values())),
+                "in_flight": all_gather_objects(plan.in_flight),
+            }
+            rows.append({"schedule": schedule_name, "variant": "per-stage",
+                         "budget": budget, "fraction": frac, **per})
+            choice = _uniform(tables, budget)
+            if choice is None:
+                rows.append({"schedule": schedule_name, "variant": "uniform",
+                             "budget": budget, "fraction": frac, "infeasible": True})
+                continue
+            u_peak, u_step, _ = _run(args, rank, schedule_name,
+                                     _policy_of(choice, mine["names"]), config)
+            u_recompute = args.micro * sum(
+                mine["blocks"][b][c][1] for b, c in enumerate(choice)
+            )
+            rows.append({
+                "schedule": schedule_name, "variant": "uniform", "budget": budget,
+                "fraction": frac,
+                "peak_per_rank": all_gather_objects(u_peak),
+                "step_ms": max(all_gather_objects(u_step)) * 1e3,
+                "recompute_ms": sum(all_gather_objects(u_recompute)) * 1e3,
+                "decisions": [choice, choice],
+            })
+    for row in rows:
+        peaks = row.get("peak_per_rank")
+        if peaks:
+            row["imbalance"] = max(peaks) / statistics.mean(peaks)
+            if row["budget"] is not None:
+                row["fits"] = max(peaks) <= row["budget"]
+    if rank == 0:
+        config_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        result = {"config": config_out, "rows": rows}
+        Path(out_path).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def format_table(result) -> str:
+    head = (f"{'schedule':<14} {'variant':<10} {'budget':>10} {'peak r0':>10} "
+            f"{'peak r1':>10} {'max/mean':>8} {'recomp ms':>9} {'step ms':>8}  decisions")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        if r.get("infeasible"):
+            lines.append(f"{r['schedule']:<14} {r['variant']:<10} {r['budget'] / 2**10:>8.0f}Ki"
+                         "  (no single plan fits every stage)")
+            continue
+        budget = "" if r["budget"] is None else f"{r['budget'] / 2**10:.0f}Ki"
+        rec = "" if r["recompute_ms"] is None else f"{r['recompute_ms']:.2f}"
+        dec = ""
+        if r["decisions"]:
+            dec = " | ".join(",".join(d.replace("save ", "s:") for d in ds) for ds in r["decisions"])
+        p0, p1 = (p / 2**10 for p in r["peak_per_rank"])
+        lines.append(
+            f"{r['schedule']:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
+            f"{r['imbalance']:>8.2f} {rec:>9} {r['step_ms']:>8.1f}  {dec}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4, help="blocks per stage")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--schedules", nargs="+", default=["Schedule1F1B", "ScheduleGPipe"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        mp.spawn(_worker, args=(args, str(Path(tmp) / "store"), str(out)), nprocs=2)
+        result = json.loads(out.read_text())
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
