@@ -247,7 +247,8 @@ def wrap_pack(
             if got is not None:
                 node = t.grad_fn
                 op = None if node is None else type(node).__name__
-                region = record._stack[-1].name if record._stack else None
+                running = record.current_region()
+                region = None if running is None else running.name
                 replay.append((index, got, op, region))
         return pack(t)  # torch's early stop raises here, after the last one
 

@@ -77,7 +77,8 @@ def check_replayed(record: CheckpointRecord, index: int, t: torch.Tensor) -> Non
     want = record.saved_meta[index]
     if t.shape == want[0] and t.dtype == want[1] and t.device == want[2]:
         return
-    region = record._stack[-1].name if record._stack else None
+    running = record.current_region()
+    region = None if running is None else running.name
     where = _user_frame()
     at = f"\n  saved at {where}" if where else ""
     raise ReplayMismatchError(_message(record, index, want, _with_op(t), region, at))
