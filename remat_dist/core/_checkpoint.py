@@ -41,7 +41,13 @@ from remat_dist.core._hooks import (
     inputs_of_var,
     saved_tensors_hooks,
 )
-from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
+from remat_dist.core._options import (
+    CheckpointOptions,
+    DeterminismCheck,
+    TorchDeterminismCheck,
+    determinism_mode,
+    resolve,
+)
 from remat_dist.core._packed import _link_to_graph
 from remat_dist.core._record import _SEAMS, CheckpointPhase, CheckpointRecord
 from remat_dist.core._save_region import note_forward, replay_frees_graph
@@ -54,7 +60,6 @@ __all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DETERMINISM_CHECKS = ("none", "default", "values")
 
 
 class _UnsupportedOption(RematUsageError, NotImplementedError):
@@ -70,7 +75,7 @@ def checkpoint(
     region_name: str | None = None,
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
-    determinism_check: DeterminismCheck = "none",
+    determinism_check: DeterminismCheck | TorchDeterminismCheck = "metadata",
     preserve_rng_state: bool = False,
     collectives: CollectiveMode | None = None,
     **options: Any,
@@ -92,24 +97,27 @@ def checkpoint(
             replays exactly. Pass ``()`` for none at all.
         saved_tensors_hooks: hooks applied to what this checkpoint keeps: its
             inputs, save-region saves and persisted outputs.
-        determinism_check: ``"none"``, ``"default"`` or ``"values"``. Every
-            replay's saved tensors are checked against the forward's shape, dtype
-            and device before backward uses them; the first that differs raises
-            ``ReplayMismatchError`` (a ``CheckpointError``) naming the checkpoint,
-            the region and both metadata. ``"none"`` (default) checks them in one
-            loop when the replay ends (or raises inside model code: the error
-            then names the model line where it failed, and comes from it), as
-            torch's ``"default"`` does; ``"default"`` checks each as the replay
-            saves it, so the replay stops there and the error names the model
-            line that saved it, at the cost of a Python call per saved tensor
-            between the replay's kernels. ``"values"`` adds to ``"default"``: each
-            tensor the replay saves,
+        determinism_check: ``"metadata"``, ``"metadata_per_tensor"`` or
+            ``"values"``. Every replay's saved tensors are checked against the
+            forward's shape, dtype and device before backward uses them; the
+            first that differs raises ``ReplayMismatchError`` (a
+            ``CheckpointError``) naming the checkpoint, the region and both
+            metadata. ``"metadata"`` (default) checks them in one loop when the
+            replay ends (or raises inside model code: the error then names the
+            model line where it failed, and comes from it);
+            ``"metadata_per_tensor"`` checks each as the replay saves it, so the
+            replay stops there and the error names the model line that saved it,
+            at the cost of a Python call per saved tensor between the replay's
+            kernels. ``"values"`` adds to ``"metadata_per_tensor"``: each tensor
+            the replay saves,
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
             kept); a difference raises ``ReplayValueMismatchError`` at the end of
             backward (on every rank at stake). ``REMAT_DIST_DETERMINISM_CHECK=values``
             in the environment turns it on for every checkpoint of the process.
-            See ``docs/distributed.md``.
+            See ``docs/distributed.md``. torch's names are accepted for code
+            written against ``torch.utils.checkpoint`` or torch_remat: ``"none"``
+            means ``"metadata"``, ``"default"`` means ``"metadata_per_tensor"``.
         preserve_rng_state: ``False`` only, torch_remat's default, accepted so that
             code written for torch_remat (torchtitan passes it explicitly) runs
             unchanged. It adds nothing: RNG replays through
@@ -151,11 +159,7 @@ def checkpoint(
             f"remat_dist.checkpoint: region_name must be a non-empty string, got "
             f"{region_name!r}. Fix: name it after the module, e.g. 'layers.0'."
         )
-    if determinism_check not in _DETERMINISM_CHECKS:
-        raise RematUsageError(
-            f"remat_dist.checkpoint(region_name={where!r}): determinism_check must be "
-            f"one of {_DETERMINISM_CHECKS}, got {determinism_check!r}."
-        )
+    mode = determinism_mode(determinism_check, f"remat_dist.checkpoint(region_name={where!r})")
     hooks = None if recompute_state_hooks is None else tuple(recompute_state_hooks)
     for h in hooks or ():
         if not (callable(getattr(h, "snapshot", None)) and callable(getattr(h, "restore", None))):
@@ -173,7 +177,7 @@ def checkpoint(
         hint=" It is always non-reentrant and drives torch's context_fn itself.",
     )
     frozen = CheckpointOptions(
-        determinism_check=determinism_check,
+        determinism_check=mode,
         saved_tensors_hooks=as_hooks(saved_tensors_hooks, where),
         extensions=extensions,
     )
@@ -393,7 +397,7 @@ class _Phase:
             # above torch's; otherwise all at once when the replay ends
             target = None
             if self.replay and not record.values_check:
-                if record.options.determinism_check != "default":
+                if record.options.determinism_check != "metadata_per_tensor":
                     target = self._target = _standin.replay_target_here()
             if record.values_check or (self.replay and target is None):
                 # (no frame to read at the end: torch's hook is not innermost)

@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 ENV = "REMAT_DIST_DETERMINISM_CHECK"
-"""``values`` here turns the value check on for every checkpoint of the process."""
+"""``values`` here turns the value check on for every checkpoint of the process;
+any other value leaves each checkpoint's own ``determinism_check``."""
 
 _queue_callback = _autograd.queue_callback
 _graph_task_id = _autograd.current_graph_task_id
