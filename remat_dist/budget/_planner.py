@@ -110,9 +110,6 @@ class BudgetPhase(enum.Enum):
     PROFILING = "profiling"
     """The profiling step runs (full recompute): its first forward runs each
     block's side passes; its forwards are followed until the step ends."""
-    WAIT_BACKWARD = "wait for backward"
-    """Unused since plans are made at the end of the profiling step (kept for
-    callers that compare phases)."""
     WAIT_FORWARD = "wait for forward"
     """Planned, about to be installed (a moment inside the step's end)."""
     VERIFY = "verify"
@@ -656,7 +653,7 @@ def _install_plan(state: _Planner) -> None:
     forward is counted once more (``BudgetPlan.measured_bytes``)."""
     plan = state.plan
     assert plan is not None
-    if state.phase not in (BudgetPhase.WAIT_BACKWARD, BudgetPhase.WAIT_FORWARD):
+    if state.phase is not BudgetPhase.WAIT_FORWARD:
         return
     state.go(BudgetPhase.VERIFY)
     state.installer.install(

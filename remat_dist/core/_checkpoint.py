@@ -41,14 +41,15 @@ from remat_dist.core._hooks import (
     inputs_of_var,
     saved_tensors_hooks,
 )
-from remat_dist.core._options import CheckpointOptions, DeterminismCheck, resolve
-from remat_dist.core._packed import _link_to_graph
-from remat_dist.core._record import (
-    _SEAMS,
-    CheckpointPhase,
-    CheckpointRecord,
-    saved_entry,
+from remat_dist.core._options import (
+    CheckpointOptions,
+    DeterminismCheck,
+    TorchDeterminismCheck,
+    determinism_mode,
+    resolve,
 )
+from remat_dist.core._packed import _link_to_graph
+from remat_dist.core._record import _SEAMS, CheckpointPhase, CheckpointRecord
 from remat_dist.core._save_region import note_forward, replay_frees_graph
 from remat_dist.core._scope import active_scope_depth
 from remat_dist.core._state import frame_var, hooks_var
@@ -59,8 +60,6 @@ __all__ = ["checkpoint"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DETERMINISM_CHECKS = ("none", "default", "values")
-_DONE = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
 
 
 class _UnsupportedOption(RematUsageError, NotImplementedError):
@@ -76,7 +75,7 @@ def checkpoint(
     region_name: str | None = None,
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
-    determinism_check: DeterminismCheck = "none",
+    determinism_check: DeterminismCheck | TorchDeterminismCheck = "metadata",
     preserve_rng_state: bool = False,
     collectives: CollectiveMode | None = None,
     **options: Any,
@@ -98,24 +97,27 @@ def checkpoint(
             replays exactly. Pass ``()`` for none at all.
         saved_tensors_hooks: hooks applied to what this checkpoint keeps: its
             inputs, save-region saves and persisted outputs.
-        determinism_check: ``"none"``, ``"default"`` or ``"values"``. Every
-            replay's saved tensors are checked against the forward's shape, dtype
-            and device before backward uses them; the first that differs raises
-            ``ReplayMismatchError`` (a ``CheckpointError``) naming the checkpoint,
-            the region and both metadata. ``"none"`` (default) checks them in one
-            loop when the replay ends (or raises inside model code: the error
-            then names the model line where it failed, and comes from it), as
-            torch's ``"default"`` does; ``"default"`` checks each as the replay
-            saves it, so the replay stops there and the error names the model
-            line that saved it, at the cost of a Python call per saved tensor
-            between the replay's kernels. ``"values"`` adds to ``"default"``: each
-            tensor the replay saves,
+        determinism_check: ``"metadata"``, ``"metadata_per_tensor"`` or
+            ``"values"``. Every replay's saved tensors are checked against the
+            forward's shape, dtype and device before backward uses them; the
+            first that differs raises ``ReplayMismatchError`` (a
+            ``CheckpointError``) naming the checkpoint, the region and both
+            metadata. ``"metadata"`` (default) checks them in one loop when the
+            replay ends (or raises inside model code: the error then names the
+            model line where it failed, and comes from it);
+            ``"metadata_per_tensor"`` checks each as the replay saves it, so the
+            replay stops there and the error names the model line that saved it,
+            at the cost of a Python call per saved tensor between the replay's
+            kernels. ``"values"`` adds to ``"metadata_per_tensor"``: each tensor
+            the replay saves,
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
             kept); a difference raises ``ReplayValueMismatchError`` at the end of
             backward (on every rank at stake). ``REMAT_DIST_DETERMINISM_CHECK=values``
             in the environment turns it on for every checkpoint of the process.
-            See ``docs/distributed.md``.
+            See ``docs/distributed.md``. torch's names are accepted for code
+            written against ``torch.utils.checkpoint`` or torch_remat: ``"none"``
+            means ``"metadata"``, ``"default"`` means ``"metadata_per_tensor"``.
         preserve_rng_state: ``False`` only, torch_remat's default, accepted so that
             code written for torch_remat (torchtitan passes it explicitly) runs
             unchanged. It adds nothing: RNG replays through
@@ -157,11 +159,7 @@ def checkpoint(
             f"remat_dist.checkpoint: region_name must be a non-empty string, got "
             f"{region_name!r}. Fix: name it after the module, e.g. 'layers.0'."
         )
-    if determinism_check not in _DETERMINISM_CHECKS:
-        raise RematUsageError(
-            f"remat_dist.checkpoint(region_name={where!r}): determinism_check must be "
-            f"one of {_DETERMINISM_CHECKS}, got {determinism_check!r}."
-        )
+    mode = determinism_mode(determinism_check, f"remat_dist.checkpoint(region_name={where!r})")
     hooks = None if recompute_state_hooks is None else tuple(recompute_state_hooks)
     for h in hooks or ():
         if not (callable(getattr(h, "snapshot", None)) and callable(getattr(h, "restore", None))):
@@ -179,7 +177,7 @@ def checkpoint(
         hint=" It is always non-reentrant and drives torch's context_fn itself.",
     )
     frozen = CheckpointOptions(
-        determinism_check=determinism_check,
+        determinism_check=mode,
         saved_tensors_hooks=as_hooks(saved_tensors_hooks, where),
         extensions=extensions,
     )
@@ -249,14 +247,7 @@ def _run_checkpoint(
     user_hooks = options.saved_tensors_hooks
     kept_under = entry_hooks(user_hooks)
     hooked = kept_under is not None
-    if hooked:  # what the user's hook packs may be the only copy left: note it now
-        record._input_entries = [
-            saved_entry(t, f"input {i}", packed_by_user_hook=i < len(args))
-            for i, t in enumerate((*args, *kwargs.values()))
-            if isinstance(t, torch.Tensor)
-        ]
-    else:  # their report entries are taken when a report reads them
-        record.note_inputs(args, kwargs)
+    record.note_inputs(args, kwargs, hooked=hooked)
     forward_phase = _Phase(record, replay=False, site=site)
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn
@@ -359,7 +350,9 @@ class _Phase:
     """The forward or recompute context handed to torch's checkpoint.
 
     Reusable: torch enters the recompute context once per replay (a second
-    ``retain_graph`` backward replays again).
+    ``retain_graph`` backward replays again). Its ``__exit__`` ends the forward
+    (:meth:`_forward_end`) or dispatches a replay to one of its three outcomes:
+    :meth:`_replay_clean`, :meth:`_replay_absorbed`, :meth:`_replay_raised`.
     """
 
     __slots__ = (
@@ -385,13 +378,9 @@ class _Phase:
         record = self.record
         self._tokens.append((frame_var.set(record), inputs_of_var.set(None)))
         if self.replay:
-            # a backward inside the forward replays a forward still running
-            self._forward_done = record.phase is not CheckpointPhase.FORWARD
-            record.phase = CheckpointPhase.REPLAYING
+            self._forward_done = record.start_replay()
         try:
             if self.replay:
-                record._cursor = 0
-                record.replay_count += 1
                 if record.forward_graph is not None:  # torch's hook still innermost
                     record.frees_graph = replay_frees_graph(record)
                 # Like torch's fork_rng: replay must not disturb the state that the
@@ -408,7 +397,7 @@ class _Phase:
             # above torch's; otherwise all at once when the replay ends
             target = None
             if self.replay and not record.values_check:
-                if record.options.determinism_check != "default":
+                if record.options.determinism_check != "metadata_per_tensor":
                     target = self._target = _standin.replay_target_here()
             if record.values_check or (self.replay and target is None):
                 # (no frame to read at the end: torch's hook is not innermost)
@@ -423,73 +412,124 @@ class _Phase:
             raise
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        record = self.record
+        """End the phase. A replay has one of three outcomes: no error (it ran to
+        its end, or torch stopped it early with ``StopRecomputationError``), an
+        error an observer absorbs, an error raised. The error is the model's, or
+        the mismatch the end-of-replay check found (which comes first). Returns
+        True only for an absorbed error: torch then goes on with the stand-ins."""
         frame_token, inputs_token = self._tokens.pop()
-        absorbed = False
-        raising: BaseException | None = None
         tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            tracker.__exit__()
         target, self._target = self._target, None
         try:
-            if self.replay:
-                mismatch = None
-                if target is not None:
-                    record.replay_packs = target[0].recomp_counter.get(target[1], 0)
-                    stopped = exc_type is StopRecomputationError
-                    if stopped or exc is None or isinstance(exc, Exception):
-                        raised = None if stopped else exc
-                        check = _replay_check.check_after_replay
-                        mismatch = check(record, target, raised)
-                if mismatch is not None:
-                    phase = CheckpointPhase.REPLAY_FAILED
-                    if _record.absorbs(record, mismatch):
-                        _standin.replace_mismatched(record, target)
-                        if exc_type is not StopRecomputationError and exc is not None:
-                            _standin.complete_with_stand_ins(record)
-                        exc, absorbed = None, True
-                    else:
-                        raising = exc = mismatch
-                elif exc_type is StopRecomputationError:
-                    phase, exc = CheckpointPhase.STOPPED_EARLY, None
-                elif exc is None:
-                    phase = CheckpointPhase.REPLAYED
-                    if self._forward_done:  # saved fewer tensors than forward?
-                        raising = exc = _replay_check.short_replay(record)
-                        if raising is not None:
-                            phase = CheckpointPhase.REPLAY_FAILED
-                else:
-                    phase = CheckpointPhase.REPLAY_FAILED
-                    if _record.absorbs(record, exc):
-                        _standin.complete_with_stand_ins(record)
-                        exc, absorbed = None, True
-                    else:
-                        _replay_check.annotate(record, exc)
-                if exc is None and not absorbed and record.values_check:
-                    raising = exc = _fingerprint.replay_done(record)
-                    if raising is not None:
-                        phase = CheckpointPhase.REPLAY_FAILED
-                _restore(record, self._outside, "replay end")  # still recomputing
-                self._outside = ()
-                record.phase = phase
-                if record.frees_graph and phase in _DONE:
-                    record.release_persisted()
-            else:
-                record.phase = CheckpointPhase.WAITING
-                if exc is None and self._site is not None:
-                    self._site.learn(record.saved_meta)
-                for r in record.regions:
-                    r.outputs = []
-                    r.output_hooks = r.output_context = None
-                record._producers.clear()
-                record._names.clear()
-            record._stack.clear()
-            for method in _SEAMS.ends[record.values_check]:
-                method(record, self.replay, exc)
+            if tracker is not None:
+                tracker.__exit__()
+            if not self.replay:
+                self._forward_end(exc)
+                return False
+            stopped = exc_type is StopRecomputationError
+            raised = None if stopped else exc
+            mismatch = self._check_at_end(target, raised)
+            error = raised if mismatch is None else mismatch
+            if error is None:
+                return self._replay_clean(stopped)
+            if _record.absorbs(self.record, error):
+                return self._replay_absorbed(raised, mismatch, target)
+            return self._replay_raised(raised, mismatch)
         finally:
             inputs_of_var.reset(inputs_token)
             frame_var.reset(frame_token)
-        if raising is not None:
-            raise raising
-        return absorbed
 
+    def _forward_end(self, error: BaseException | None) -> None:
+        """The forward ended (``error``: what it raised). The record drops what
+        only the forward needed; a forward that completed teaches its call site
+        what it saved (``SaveSite.learn``: the next forward notes it cheaper)."""
+        record = self.record
+        record.end_forward()
+        if error is None and self._site is not None:
+            self._site.learn(record.saved_meta)
+        for method in _SEAMS.ends[record.values_check]:
+            method(record, False, error)
+
+    def _check_at_end(
+        self, target: tuple[Any, Any] | None, raised: BaseException | None
+    ) -> BaseException | None:
+        """With the check at the replay's end (``target``: torch's frame and graph
+        task, its hook innermost): count what the replay saved and compare it with
+        the forward's shapes, dtypes and devices. Returns the mismatch, which
+        explains the model's error ``raised`` when there is one (a wrong shape
+        fails in model code first). Nothing is checked after an interrupt (a
+        ``BaseException`` that is no ``Exception``)."""
+        if target is None:
+            return None
+        record = self.record
+        record.replay_packs = target[0].recomp_counter.get(target[1], 0)
+        if raised is not None and not isinstance(raised, Exception):
+            return None
+        return _replay_check.check_after_replay(record, target, raised)
+
+    def _replay_clean(self, stopped: bool) -> bool:
+        """The replay raised nothing: it ran to the function's end, or torch's
+        early stop (``stopped``) ended it once backward had all it needed (torch
+        catches that). Two checks may still fail it, raising here: a replay that
+        ran to its end saving fewer tensors than a finished forward
+        (``short_replay``), and the value check (``determinism_check="values"``)
+        when its difference cannot wait for backward's end."""
+        record = self.record
+        error = None
+        if not stopped and self._forward_done:
+            error = _replay_check.short_replay(record)
+        if error is None and record.values_check:
+            error = _fingerprint.replay_done(record)
+        if error is not None:
+            self._replay_end(CheckpointPhase.REPLAY_FAILED, error)
+            raise error
+        self._replay_end(
+            CheckpointPhase.STOPPED_EARLY if stopped else CheckpointPhase.REPLAYED, None
+        )
+        return False
+
+    def _replay_absorbed(
+        self,
+        raised: BaseException | None,
+        mismatch: BaseException | None,
+        target: tuple[Any, Any] | None,
+    ) -> bool:
+        """An observer absorbed the replay's error (it makes the step fail later,
+        on every rank at stake): instead of what the replay saved wrong
+        (``mismatch``) and what it did not get to save (``raised`` stopped it),
+        backward reads zero stand-ins of the forward's metadata. Returns True so
+        that torch, whose recompute this context runs, swallows the error and
+        backward goes on."""
+        record = self.record
+        if mismatch is not None:
+            _standin.replace_mismatched(record, target)
+        if raised is not None:
+            _standin.complete_with_stand_ins(record)
+        self._replay_end(CheckpointPhase.REPLAY_FAILED, None)
+        return True
+
+    def _replay_raised(
+        self, raised: BaseException | None, mismatch: BaseException | None
+    ) -> bool:
+        """The replay's error goes to the caller. A mismatch found at the end is
+        raised here (it names the checkpoint and region); the model's own error is
+        annotated with the checkpoint and left for torch to raise on (False)."""
+        if mismatch is not None:
+            self._replay_end(CheckpointPhase.REPLAY_FAILED, mismatch)
+            raise mismatch
+        assert raised is not None
+        _replay_check.annotate(self.record, raised)
+        self._replay_end(CheckpointPhase.REPLAY_FAILED, raised)
+        return False
+
+    def _replay_end(self, phase: CheckpointPhase, error: BaseException | None) -> None:
+        """What every replay outcome ends with: the state hooks give back the
+        state from before the replay (still inside torch's recompute), the record
+        takes ``phase``, and the observers hear of the end with the ``error``
+        that goes on (None when there is none or it was absorbed)."""
+        record = self.record
+        _restore(record, self._outside, "replay end")
+        self._outside = ()
+        record.end_replay(phase)
+        for method in _SEAMS.ends[record.values_check]:
+            method(record, True, error)

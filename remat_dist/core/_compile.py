@@ -304,13 +304,13 @@ def run_checkpoint(
             "torch.autograd.graph.saved_tensors_hooks instead), or keep the block "
             "eager."
         )
-    if options.determinism_check != "none":
+    if options.determinism_check != "metadata":
         refuse(
             f"remat_dist.checkpoint(region_name={name!r}): the option "
             f"determinism_check={options.determinism_check!r} cannot work under "
             "torch.compile: the compiled backward recomputes graph ops, and there is "
             "no Python replay whose tensors could be checked. Fix: "
-            "determinism_check='none' for compiled blocks."
+            "determinism_check='metadata' (the default) for compiled blocks."
         )
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)

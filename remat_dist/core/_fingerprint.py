@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 ENV = "REMAT_DIST_DETERMINISM_CHECK"
-"""``values`` here turns the value check on for every checkpoint of the process."""
+"""``values`` here turns the value check on for every checkpoint of the process;
+any other value leaves each checkpoint's own ``determinism_check``."""
 
 _queue_callback = _autograd.queue_callback
 _graph_task_id = _autograd.current_graph_task_id
@@ -247,7 +248,8 @@ def wrap_pack(
             if got is not None:
                 node = t.grad_fn
                 op = None if node is None else type(node).__name__
-                region = record._stack[-1].name if record._stack else None
+                running = record.current_region()
+                region = None if running is None else running.name
                 replay.append((index, got, op, region))
         return pack(t)  # torch's early stop raises here, after the last one
 

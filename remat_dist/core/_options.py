@@ -18,7 +18,40 @@ from remat_dist._errors import RematUsageError
 
 __all__ = ["CheckpointOptions", "OptionSpec", "declare_option", "declared_options"]
 
-DeterminismCheck = Literal["none", "default", "values"]
+DeterminismCheck = Literal["metadata", "metadata_per_tensor", "values"]
+"""What a replay's saved tensors are checked for: their metadata (shape, dtype,
+device) at the replay's end, their metadata as each is saved, or also their values
+(fingerprints)."""
+
+TorchDeterminismCheck = Literal["none", "default"]
+"""torch's own names, accepted for code written against ``torch.utils.checkpoint``
+or torch_remat (:data:`TORCH_DETERMINISM_ALIASES`)."""
+
+DETERMINISM_CHECKS: tuple[DeterminismCheck, ...] = (
+    "metadata", "metadata_per_tensor", "values"
+)
+
+TORCH_DETERMINISM_ALIASES: Mapping[str, DeterminismCheck] = {
+    "none": "metadata",
+    "default": "metadata_per_tensor",
+}
+"""torch's names mapped onto remat_dist's: ``"none"`` (torch's checks nothing;
+remat_dist always checks metadata) is ``"metadata"``, ``"default"`` is
+``"metadata_per_tensor"``, the check that names the model line as torch's does."""
+
+
+def determinism_mode(value: Any, where: str) -> DeterminismCheck:
+    """The ``determinism_check`` a checkpoint runs with: ``value`` itself, or the
+    mode a torch name stands for; anything else raises naming ``where``."""
+    if value in DETERMINISM_CHECKS:
+        return value  # type: ignore[no-any-return]
+    mode = TORCH_DETERMINISM_ALIASES.get(value) if isinstance(value, str) else None
+    if mode is None:
+        raise RematUsageError(
+            f"{where}: determinism_check must be one of {DETERMINISM_CHECKS} (or "
+            f"torch's names {tuple(TORCH_DETERMINISM_ALIASES)}), got {value!r}."
+        )
+    return mode
 
 
 @dataclass(frozen=True)
@@ -70,7 +103,8 @@ class CheckpointOptions:
     defaults filled in); :meth:`get` reads one.
     """
 
-    determinism_check: DeterminismCheck = "none"
+    determinism_check: DeterminismCheck = "metadata"
+    """Always one of :data:`DETERMINISM_CHECKS` (torch's names are mapped)."""
     saved_tensors_hooks: Any = None
     extensions: Mapping[str, Any] = field(default_factory=dict)
 

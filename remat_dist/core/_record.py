@@ -172,6 +172,10 @@ class CheckpointPhase(enum.Enum):
     with stand-ins."""
 
 
+_DONE = (CheckpointPhase.REPLAYED, CheckpointPhase.STOPPED_EARLY)
+"""The phases of a replay that ran to its end or that torch stopped early."""
+
+
 class CheckpointRecord:
     """Everything one checkpoint call knows, forward and replay.
 
@@ -184,8 +188,11 @@ class CheckpointRecord:
         options: the frozen :class:`CheckpointOptions` (declared options of the
             layers above in ``options.extensions``).
         extensions: per-observer data (the distributed ledger lives here).
-        phase: the :class:`CheckpointPhase`; ``replaying``, ``forward_done`` and
-            ``stopped_early`` read it.
+        phase: the :class:`CheckpointPhase`; ``replaying`` and ``forward_done``
+            read it. Only the record's own methods change the state of a phase
+            (the regions running, the replay's position, the names taken, the
+            save regions' outputs by storage): ``start_replay``, ``end_replay``,
+            ``end_forward`` and the region methods.
         replay_packs: saved tensors the current replay has recomputed so far.
         saved_meta: shape, dtype, device and strides (and a tensor subclass's
             structure) of every tensor torch's checkpoint saved on forward, in
@@ -266,9 +273,21 @@ class CheckpointRecord:
             self._inputs = ()
         return entries
 
-    def note_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        """Remember the tensor arguments for :attr:`input_entries`, weakly: torch's
-        frame keeps them alive as long as the checkpoint's graph."""
+    def note_inputs(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], *, hooked: bool = False
+    ) -> None:
+        """Remember the tensor arguments for :attr:`input_entries`. Weakly, their
+        entries taken when a report reads them: torch's frame keeps them alive as
+        long as the checkpoint's graph. Under the user's saved-tensor hooks
+        (``hooked``) the entries are taken now: what the hook packs may be the only
+        copy left, and the positional ones are marked as packed by it."""
+        if hooked:
+            self._input_entries = [
+                saved_entry(t, f"input {i}", packed_by_user_hook=i < len(args))
+                for i, t in enumerate((*args, *kwargs.values()))
+                if isinstance(t, torch.Tensor)
+            ]
+            return
         inputs = self._inputs = []
         for i, t in enumerate((*args, *kwargs.values()) if kwargs else args):
             if isinstance(t, _Tensor):
@@ -282,13 +301,91 @@ class CheckpointRecord:
     def forward_done(self) -> bool:
         return self.phase is not CheckpointPhase.FORWARD
 
-    @property
-    def stopped_early(self) -> bool:
-        return self.phase is CheckpointPhase.STOPPED_EARLY
+    # -- phases: the only writers of the walk's state below
 
-    @property
-    def save_regions(self) -> list[RegionRecord]:
-        return [r for r in self.regions if r.is_save]
+    def start_replay(self) -> bool:
+        """A replay begins: the region walk starts over at the first region.
+        Returns whether the forward had ended (False: a backward inside the
+        forward replays a forward still running)."""
+        forward_done = self.phase is not CheckpointPhase.FORWARD
+        self.phase = CheckpointPhase.REPLAYING
+        self._cursor = 0
+        self.replay_count += 1
+        return forward_done
+
+    def end_replay(self, phase: CheckpointPhase) -> None:
+        """A replay ended in ``phase``. After one that ran to its end or stopped
+        early in the last backward that can replay the checkpoint
+        (:attr:`frees_graph`), its persisted outputs go (:meth:`release_persisted`)."""
+        self.phase = phase
+        if self.frees_graph and phase in _DONE:
+            self.release_persisted()
+        self._stack.clear()
+
+    def end_forward(self) -> None:
+        """The forward ended: drop what only the forward needs (the outputs its
+        save regions returned, their hooks, who produced which storage, the names
+        taken), so the record keeps no tensor the graph does not keep."""
+        self.phase = CheckpointPhase.WAITING
+        for r in self.regions:
+            r.outputs = []
+            r.output_hooks = r.output_context = None
+        self._producers.clear()
+        self._names.clear()
+        self._stack.clear()
+
+    # -- the regions running now (forward and replay)
+
+    def current_region(self) -> RegionRecord | None:
+        """The innermost region running now, or None outside every region."""
+        stack = self._stack
+        return stack[-1] if stack else None
+
+    def enter_region(self, rr: RegionRecord) -> None:
+        """``rr`` starts running (inside the current one)."""
+        self._stack.append(rr)
+
+    def leave_region(self) -> None:
+        """The innermost running region returned (or raised)."""
+        self._stack.pop()
+
+    def claim_name(self, qualified: str) -> bool:
+        """Take a region's qualified name for this forward; False when a region
+        of the forward already took it."""
+        names = self._names
+        if qualified in names:
+            return False
+        names.add(qualified)
+        return True
+
+    # -- the forward's save-region outputs, by storage
+
+    def has_producers(self) -> bool:
+        """Whether a save region of this forward returned a tensor not kept anyway."""
+        return bool(self._producers)
+
+    def producer_of(self, key: tuple[Any, int]) -> tuple[RegionRecord, int] | None:
+        """``(save region, output index)`` that produced storage ``key``, if any."""
+        return self._producers.get(key)
+
+    def note_producer(self, key: tuple[Any, int], rr: RegionRecord, index: int) -> None:
+        """Output ``index`` of save region ``rr`` lives in storage ``key`` (the
+        first producer of a storage keeps it)."""
+        self._producers.setdefault(key, (rr, index))
+
+    # -- the replay's walk over the forward's regions
+
+    def next_region(self) -> RegionRecord | None:
+        """The region the forward ran next at the replay's position, or None
+        past the last."""
+        cursor = self._cursor
+        regions = self.regions
+        return regions[cursor] if cursor < len(regions) else None
+
+    def advance(self, count: int) -> None:
+        """Move the replay's position ``count`` regions on (a skipped save
+        region passes its nested regions too)."""
+        self._cursor += count
 
     def release_persisted(self) -> None:
         """Drop every persisted output left after a replay in the last backward
@@ -297,18 +394,6 @@ class CheckpointRecord:
         for r in self.regions:
             r.released.update(r.persisted)
             r.persisted.clear()
-
-    def saved_nbytes(self) -> int:
-        """Bytes this checkpoint keeps beyond its inputs: save-region saves plus
-        persisted outputs, each storage once."""
-        seen: dict[tuple[Any, int], int] = {}
-        for r in self.regions:
-            for e in r.saved:
-                seen[e.storage] = e.storage_nbytes
-        extra = sum(
-            p.nbytes for r in self.regions for p in r.persisted.values() if not p.free
-        )
-        return sum(seen.values()) + extra
 
     def __repr__(self) -> str:
         decisions = ", ".join(

@@ -139,7 +139,7 @@ def _region_forward(
     """A region on the checkpoint's forward: record it, and run a save region under
     its hooks."""
     qual, local = _qualified(record, call.name)
-    if qual in record._names:
+    if not record.claim_name(qual):
         raise RematUsageError(
             f"remat_dist: Duplicate torch_remat region name {qual!r} during forward: "
             f"region {local!r} was entered twice in one forward of "
@@ -147,7 +147,7 @@ def _region_forward(
             "repeated sub-blocks in remat_dist.name_scope('part0'), "
             "name_scope('part1'), ..."
         )
-    parent = record._stack[-1] if record._stack else None
+    parent = record.current_region()
     inside_save = parent is not None and (parent.inside_save or not parent.recompute)
     if call.recompute and inside_save:
         raise RematUsageError(_compile.nested_in_save(qual, parent.name))
@@ -161,12 +161,11 @@ def _region_forward(
         options=call.options,
     )
     record.regions.append(rr)
-    record._names.add(qual)
-    if call.recompute and record._producers:
+    if call.recompute and record.has_producers():
         _persist_consumed(record, (args, kwargs))
     if _record._SEAMS.observers:
         _record.notify("on_region_start", record, rr, False)
-    record._stack.append(rr)
+    record.enter_region(rr)
     first = len(record.saved_meta)
     try:
         if rr.is_save:
@@ -181,7 +180,7 @@ def _region_forward(
         else:
             out = call.fn(*args, **kwargs)
     finally:
-        record._stack.pop()
+        record.leave_region()
         rr.saved_span = (first, len(record.saved_meta))
     items, structure = _flatten_output(rr, out)
     _reject_fresh_leaves(record, rr, items, (args, kwargs))
@@ -273,8 +272,7 @@ def _region_replay(
     """A region on replay: check it is the one the forward had next, then rerun a
     recompute region or skip a save region and serve its outputs."""
     qual, _ = _qualified(record, call.name)
-    cursor = record._cursor
-    expected = record.regions[cursor] if cursor < len(record.regions) else None
+    expected = record.next_region()
     if expected is not None and expected.name == qual:
         if expected.recompute != call.recompute:
             raise RematError(
@@ -293,23 +291,23 @@ def _region_replay(
             "control flow depend only on the inputs, or branch on "
             "remat_dist.is_recomputing() only around code that is not a region."
         )
-    record._cursor += 1
     rr = expected
+    is_save = rr.is_save
+    record.advance(1 + rr.descendants if is_save else 1)  # a save region's are skipped
     if _record._SEAMS.observers:
         _record.notify("on_region_start", record, rr, True)
-    if rr.is_save:
-        record._cursor += rr.descendants
+    if is_save:
         if rr.routed:
             _emit_routed(record, rr, args, kwargs)
         items = [_serve(record, rr, j) for j in range(len(rr.output_meta))]
         _restore(record, rr.state_after or (), f"after save region {rr.name!r}")
         out = _rebuild(rr.output_structure, items)
     else:
-        record._stack.append(rr)
+        record.enter_region(rr)
         try:
             out = call.fn(*args, **kwargs)
         finally:
-            record._stack.pop()
+            record.leave_region()
     if _record._SEAMS.observers:
         _record.notify("on_region_end", record, rr, True)
     return out

@@ -8,7 +8,7 @@ those notes in one loop, and the first tensor that differs raises
 :class:`~remat_dist.ReplayMismatchError`: backward never computes wrong gradients
 from it without a word (a dtype that changed), and a replay that failed inside
 model code because of it (a KV cache appended to again on replay) raises this
-error, from the model's. With ``determinism_check="default"`` each tensor is
+error, from the model's. With ``determinism_check="metadata_per_tensor"`` each tensor is
 checked as the replay saves it instead (:func:`check_replayed`, through
 ``_standin.Tracking``), so the error comes before the next op runs and names the
 model line that saved the tensor. A replay that ends having saved fewer tensors
@@ -17,7 +17,7 @@ exception raised inside a replay keeps its type and gets a note naming the
 checkpoint and the likely causes (:func:`annotate`).
 
 Cost: by default one loop per replay over what it saved, after it (torch's own
-check, which is off, is such a loop too); with ``"default"`` one Python call per
+check, which is off, is such a loop too); with ``"metadata_per_tensor"`` one Python call per
 saved tensor while the replay runs, between its kernels.
 """
 
@@ -77,7 +77,8 @@ def check_replayed(record: CheckpointRecord, index: int, t: torch.Tensor) -> Non
     want = record.saved_meta[index]
     if t.shape == want[0] and t.dtype == want[1] and t.device == want[2]:
         return
-    region = record._stack[-1].name if record._stack else None
+    running = record.current_region()
+    region = None if running is None else running.name
     where = _user_frame()
     at = f"\n  saved at {where}" if where else ""
     raise ReplayMismatchError(_message(record, index, want, _with_op(t), region, at))
@@ -140,7 +141,7 @@ def check_after_replay(
         error = ReplayMismatchError(
             _message(record, index, want, got_meta, region, after)
             + "\nTo stop the replay at that tensor and name the model line that saved "
-            "it: determinism_check='default' (a check per saved tensor as the "
+            "it: determinism_check='metadata_per_tensor' (a check per saved tensor as the "
             "replay runs)."
         )
         if raised is not None:

@@ -124,7 +124,7 @@ class _RegionInputs:
             if type(a) is not torch.Tensor or a.numel() == 0:
                 continue
             key = storage_key(a)
-            if key in record._producers:
+            if record.producer_of(key) is not None:
                 continue  # a skipped save region's output: replay may not have it
             self.by_storage.setdefault(key, []).append((i, a, a._version))
 
@@ -268,7 +268,7 @@ def _record_outputs(
             # Backward keeps this storage anyway: persisting it costs nothing.
             rr.persisted[j] = PersistedOutput(t.detach(), None, t._version, 0, True)
         else:
-            record._producers.setdefault(key, (rr, j))
+            record.note_producer(key, rr, j)
 
 
 def _persist_consumed(record: CheckpointRecord, tree: Any) -> None:
@@ -282,7 +282,7 @@ def _persist_if_produced(record: CheckpointRecord, t: torch.Tensor) -> None:
     """Keep ``t`` for replay if a save region produced its storage (once)."""
     if t.numel() == 0:
         return
-    hit = record._producers.get(storage_key(t))
+    hit = record.producer_of(storage_key(t))
     if hit is None:
         return
     rr, j = hit

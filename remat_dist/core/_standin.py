@@ -17,7 +17,7 @@ less, in one C call per tensor (:class:`SaveSite`): a tensor subclass such as a
 DTensor needs its structure noted for its stand-in, a plain tensor only its shape,
 dtype and device. A replay's tensors are checked against the forward's when it
 ends (``_replay_check``, reading them from torch's frame: :func:`replay_target_here`),
-or, with ``determinism_check="default"``, by a pack hook pushed just above torch's
+or, with ``determinism_check="metadata_per_tensor"``, by a pack hook pushed just above torch's
 that counts and checks each as it is saved (:class:`Tracking`).
 """
 
@@ -159,7 +159,7 @@ def replay_target_here() -> tuple[Any, Any] | None:
 
 class Tracking:
     """Inside torch's checkpoint hook: on a replay with ``determinism_check=
-    "default"`` or the value check, check each saved tensor against the forward's
+    "metadata_per_tensor"`` or the value check, check each saved tensor against the forward's
     as it is saved (``_replay_check``) and count them; on a forward, only when the
     value check is on (the metadata is noted by torch's own hook,
     :func:`saved_meta`).

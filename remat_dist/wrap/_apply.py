@@ -83,7 +83,7 @@ def apply_remat(
     policy: RematPolicy = "full",
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     collectives: CollectiveMode = "replay",
-    determinism_check: str = "none",
+    determinism_check: str = "metadata",
 ) -> nn.Module:
     """Checkpoint each matching block of ``model`` in place; returns ``model``.
 
@@ -103,7 +103,8 @@ def apply_remat(
             group, the CPU generator in one process; ``()``: none).
         collectives: the checkpoints' ``collectives`` mode (``"replay"``,
             ``"save"``).
-        determinism_check: the checkpoints' ``determinism_check``.
+        determinism_check: the checkpoints' ``determinism_check``
+            (``"metadata"``, ``"metadata_per_tensor"`` or ``"values"``).
 
     The block's qualified name is its checkpoint's ``region_name``. Module types,
     parameter names and ``state_dict`` keys are unchanged; :func:`remove_remat`

@@ -769,7 +769,7 @@ def test_checkpoint_saved_tensors_hooks_option_sees_what_the_checkpoint_keeps():
         remat.checkpoint(region_name="c", saved_tensors_hooks=lambda t: t)
 
 
-def test_determinism_check_default_catches_a_replay_with_other_shapes():
+def test_determinism_check_per_tensor_catches_a_replay_with_other_shapes():
     calls = {"n": 0}
 
     def f(x):
@@ -777,7 +777,7 @@ def test_determinism_check_default_catches_a_replay_with_other_shapes():
         n = 4 if calls["n"] == 1 else 3  # replay sees another shape
         return (x[:n] @ W1).tanh()
 
-    out = remat.checkpoint(region_name="c", determinism_check="default")(f)(X0.clone().requires_grad_())
+    out = remat.checkpoint(region_name="c", determinism_check="metadata_per_tensor")(f)(X0.clone().requires_grad_())
     # remat_dist's check runs first, at the saved tensor that differs, and names the
     # checkpoint; its error is also torch's CheckpointError (code catching that
     # still does)
@@ -792,7 +792,8 @@ def test_determinism_check_default_catches_a_replay_with_other_shapes():
     with _raises(
         remat.RematUsageError,
         "checkpoint(region_name='c'): determinism_check must be one of "
-        "('none', 'default', 'values'), got 'strict'",
+        "('metadata', 'metadata_per_tensor', 'values') (or torch's names "
+        "('none', 'default')), got 'strict'",
     ):
         remat.checkpoint(region_name="c", determinism_check="strict")
 

@@ -3,7 +3,7 @@ naming the checkpoint, the region, the first saved tensor that differs, both
 metadata and the fixes, instead of crashing later inside model code or computing
 gradients from it. By default the replay's saves are compared when it ends (also
 when it raised inside model code because of them); with
-``determinism_check="default"`` each is compared as it is saved, and the error also
+``determinism_check="metadata_per_tensor"`` each is compared as it is saved, and the error also
 names the model line that saved it.
 
 The block under test keeps a Python-list cache that every call appends to, as a
@@ -65,7 +65,7 @@ _SAVED_AT = (
     "weights = (x @ keys.transpose(1, 2)).softmax(-1)",
     "device cpu, made by",
 )
-"""What ``determinism_check="default"`` adds: the model line and the op that saved
+"""What ``determinism_check="metadata_per_tensor"`` adds: the model line and the op that saved
 it."""
 
 
@@ -94,22 +94,34 @@ def test_a_cache_appended_to_on_replay_raises_a_clear_error():
         "use_cache=False",
         "recompute_state_hooks",
         "remat_dist.is_recomputing()",
-        "determinism_check='default'",  # how to get the model line
+        "determinism_check='metadata_per_tensor'",  # how to get the model line
     )
     assert "saved at" not in msg
     assert isinstance(error, tuc.CheckpointError)  # what torch raises here
     assert all(p.grad is None for p in block.parameters())  # no gradient from it
 
 
-def test_determinism_check_default_names_the_model_line_that_saved_it():
+@pytest.mark.parametrize("check", ["metadata_per_tensor", "default"])
+def test_determinism_check_per_tensor_names_the_model_line_that_saved_it(check):
+    """torch's name "default" is an alias of "metadata_per_tensor"."""
     torch.manual_seed(0)
     block = Block()
-    error = _replay_error(block, determinism_check="default")
+    error = _replay_error(block, determinism_check=check)
     _assert_says(str(error), *_LONGER_CACHE, *_SAVED_AT)
     assert block.attention.proj.weight.grad is None
 
 
-@pytest.mark.parametrize("check", ["none", "default"])
+@pytest.mark.parametrize("check", ["metadata", "none"])
+def test_determinism_check_metadata_checks_at_the_replay_end(check):
+    """The default, ``"metadata"`` (torch's name ``"none"`` is its alias), checks
+    the replay's saves when it ends: no model line."""
+    torch.manual_seed(0)
+    error = _replay_error(Block(), determinism_check=check)
+    _assert_says(str(error), *_LONGER_CACHE)
+    assert "saved at" not in str(error)
+
+
+@pytest.mark.parametrize("check", ["metadata", "metadata_per_tensor"])
 def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_difference(
     check,
 ):
@@ -125,7 +137,7 @@ def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_dif
     out = run(_x())
     with pytest.raises(remat.ReplayMismatchError) as info:
         out.sum().backward()
-    line = _SAVED_AT if check == "default" else ()
+    line = _SAVED_AT if check == "metadata_per_tensor" else ()
     _assert_says(str(info.value), *_LONGER_CACHE, *line)
 
 
@@ -247,7 +259,7 @@ def test_another_error_raised_in_a_replay_keeps_its_type_and_gets_a_note():
 def test_a_replay_whose_frame_cannot_be_read_is_checked_per_tensor(monkeypatch):
     """Where torch's recompute hook is not the innermost one at a replay's start (a
     torch whose checkpoint changed), the replay is still checked: per saved tensor,
-    as with determinism_check="default", never not at all."""
+    as with determinism_check="metadata_per_tensor", never not at all."""
     from remat_dist.core import _standin
 
     monkeypatch.setattr(_standin, "replay_target_here", lambda: None)

@@ -59,16 +59,16 @@ def test_other_values_raise_at_backward_end():
 
 
 def test_silent_without_the_check():
-    _grads("none", {"by": 1.5})
-    _grads("default", {"by": 1.5})
+    _grads("metadata", {"by": 1.5})
+    _grads("metadata_per_tensor", {"by": 1.5})
 
 
 def test_environment_turns_it_on(monkeypatch):
     monkeypatch.setenv("REMAT_DIST_DETERMINISM_CHECK", "values")
     with pytest.raises(remat.ReplayValueMismatchError):
-        _grads("none", {"by": 1.5})
-    monkeypatch.setenv("REMAT_DIST_DETERMINISM_CHECK", "none")
-    _grads("none", {"by": 1.5})
+        _grads("metadata", {"by": 1.5})
+    monkeypatch.setenv("REMAT_DIST_DETERMINISM_CHECK", "metadata")
+    _grads("metadata", {"by": 1.5})
 
 
 def test_the_error_waits_for_the_end_of_backward():

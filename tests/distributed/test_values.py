@@ -81,7 +81,7 @@ def test_moe_permuted_routing_raises_on_every_rank(ctx: DistContext):
 
     # without the check the permuted replay is silent and the gradients wrong
     moe.permute_on_replay = True
-    assert not _equal(reference, _moe_step(moe, "none"))
+    assert not _equal(reference, _moe_step(moe, "metadata"))
 
     with pytest.raises(remat.ReplayValueMismatchError) as ei:
         _moe_step(moe, "values")
@@ -109,10 +109,10 @@ def test_environment_turns_the_check_on(ctx: DistContext):
     os.environ["REMAT_DIST_DETERMINISM_CHECK"] = "values"
     try:
         with pytest.raises(remat.ReplayValueMismatchError, match="alltoall_base_"):
-            _moe_step(moe, "none")
+            _moe_step(moe, "metadata")
     finally:
         del os.environ["REMAT_DIST_DETERMINISM_CHECK"]
-    _moe_step(moe, "none")  # off again: silent
+    _moe_step(moe, "metadata")  # off again: silent
 
 
 @distributed(world_size=2)
