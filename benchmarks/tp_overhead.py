@@ -3,7 +3,7 @@ parallelism, resolved to a fraction of a percent.
 
 Under TP every replay re-issues the forward's collectives: remat_dist records them
 in forward, agrees on the plan among the TP group, verifies each one before it is
-issued on replay and reports at backward's end. The 2-rank ``bench --dist`` rows
+issued on replay and reports at backward's end. The 2-rank ``benchmarks.dist`` rows
 cannot resolve a 5% target on a shared 2-core box (their intervals are 8-13
 points wide). This script runs the same model and layout (the reference GPT, dim
 128, 4 blocks, seq 64, batch 4, the reference TP plan on 2 gloo ranks it starts
@@ -16,7 +16,7 @@ itself), the two variants interleaved over many iterations, and reports per step
 Each with its median ratio and seeded bootstrap 95% interval, and the collectives
 each variant issues per step; it writes JSON.
 
-    python scripts/bench_tp_overhead.py [--iters N] [--json PATH]
+    python -m benchmarks.tp_overhead [--iters N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks._torchrun import child_env
+
 VARIANTS = ("torch.utils.checkpoint", "remat replay")
 
 
@@ -41,7 +43,7 @@ def _rank_main(out_path: str, iters: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
+    from benchmarks.dist import _torch_checkpoint_blocks
     from remat_dist.distributed import all_gather_objects
     from remat_dist.distributed._collectives import (
         RecordCollectives,
@@ -105,12 +107,13 @@ def _launch(iters: int, ranks: int = 2) -> dict[str, Any]:
         path = os.path.join(tmp, "out.json")
         procs = []
         for rank in range(ranks):
-            env = dict(
-                os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+            env = child_env(
+                RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
             )
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--rank-of", path, "--iters", str(iters)],
+                [sys.executable, "-m", "benchmarks.tp_overhead", "--rank-of", path,
+                 "--iters", str(iters)],
                 env=env, stderr=subprocess.PIPE, text=True,
             ))
         errors = [p.communicate()[1] for p in procs]
@@ -129,8 +132,7 @@ def main() -> None:
     if args.rank_of is not None:
         _rank_main(args.rank_of, args.iters)
         return
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from remat_dist.cli.bench_dist import _ratio_row
+    from benchmarks.dist import _ratio_row
 
     raw = _launch(args.iters)
     ranks = raw["ranks"]
