@@ -127,12 +127,21 @@ def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path
     _, result = _run_bench_script("tp_overhead", tmp_path)
     assert result["world_size"] == 2 and set(result["rows"]) == {"cpu", "wall"}
     counts = result["collectives_per_step"]
-    # the replay re-issues the forward's collectives: the same ones as torch's
+    # the replay re-issues the forward's collectives: the same ones as torch's,
+    # which are those of no checkpointing plus the replayed ones
     assert counts["remat replay"] == counts["torch.utils.checkpoint"]
     assert counts["remat replay"]["backward"] > counts["remat replay"]["forward"] > 0
+    assert counts["none"]["forward"] == counts["remat replay"]["forward"]
+    assert counts["none"]["backward"] < counts["remat replay"]["backward"]
     for row in result["rows"].values():
         lo, hi = row["x_torch_ci95"]
         assert lo <= row["x_torch"] <= hi
+    assert set(result["x_none"]) == {"cpu", "wall"}
+    for row in result["x_none"].values():
+        assert row["none_ms"] > 0
+        for v in ("torch.utils.checkpoint", "remat replay"):
+            lo, hi = row[v]["ci95"]
+            assert lo <= row[v]["median"] <= hi
 
 
 def test_instruction_counts_sum_each_functions_own_cost_and_skip_inclusive_call_costs(
