@@ -22,6 +22,8 @@ lists its options; docs/benchmarks.md holds what they measured):
 ``fsdp2_instructions``     that step in instructions (callgrind)
 ``checkpoint_overhead``    one small block in a hot loop
 ``values``                 what ``determinism_check="values"`` costs
+``transport``              one round of the agreement: a stake's gloo group, a plain gloo
+                           ``all_reduce``, and the old side channel (from git history)
 ``scale``                  the agreement's rounds with many simulated ranks
 ``budget``                 the ``MemoryBudget`` sweep on 2 torchrun ranks
 ``compiled``               compiled blocks (``torch.compile``) with and without remat
