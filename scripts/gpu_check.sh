@@ -60,12 +60,12 @@ final=$rc
 
 # 2. 1-GPU core benchmark: time and peak CUDA memory vs torch.utils.checkpoint
 start=$SECONDS
-timeout 150 "$PY" -m remat_dist bench --device cuda --dims 512 64 --iters 10 \
+timeout 150 "$PY" -m benchmarks.core --device cuda --dims 512 64 --iters 10 \
     --steady-steps 0 --dist 0 --json "$OUT/bench_gpu.json" > "$OUT/bench.txt" 2>&1
 rc=$?
 cat "$OUT/bench.txt"
 if [[ $rc -eq 0 ]]; then
-    line=$("$PY" "$ROOT/scripts/_bench_line.py" "$OUT/bench_gpu.json")
+    line=$("$PY" -m benchmarks._gpu_line "$OUT/bench_gpu.json")
     note "bench, 1 GPU" ok "$line ($((SECONDS - start)) s)"
 else
     note "bench, 1 GPU" FAIL "exit $rc"

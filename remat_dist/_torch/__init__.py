@@ -25,7 +25,6 @@ but ``_errors``; the modules of this package import nothing of remat_dist.
 | ``_dtensor`` | DTensor's RNG tracker |
 | ``_fsdp`` | recognising FSDP2's own collectives |
 | ``_cuda`` | the CUDA caching allocator's snapshot and OOM observer |
-| ``_tools`` | torch's memory tracker (the benchmarks) |
 """
 
 from __future__ import annotations
@@ -115,8 +114,6 @@ _DISTRIBUTED = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.unshard",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward",
     "torch.distributed.tensor._random",
-    "torch.distributed._tools.mem_tracker.MemTracker",
-    "torch.distributed._tools.mem_tracker._MemRefType",
 )
 
 _CUDA_BUILD = ("torch._C._cuda_attach_out_of_memory_observer",)

@@ -1,18 +1,27 @@
-"""The ``remat-dist`` / ``python -m remat_dist`` command line."""
+"""The ``remat-dist`` / ``python -m remat_dist`` command line: what a user runs on
+their own job. remat_dist's own benchmarks are not part of the package: they live
+beside it, in the repository's ``benchmarks/`` directory."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m remat_dist {bench,report} [options]
+USAGE = """usage: python -m remat_dist report [options]
 
-  bench    memory and time of remat_dist vs torch.utils.checkpoint and no
-           checkpointing, in one run (prints a table; --json PATH writes it);
-           bench --compile: the same for blocks compiled with torch.compile
-           bench --transformers: transformers models per architecture family (no
-           AC, transformers' own checkpointing, remat full / attention kept /
-           MemoryBudget, torch.compile's activation_memory_budget)
   report   run the reference model and print the cross-rank saved-tensor report
+"""
+
+BENCHMARKS_MOVED = """remat_dist: the benchmarks are not part of the installed package any more.
+They live in the repository's benchmarks/ directory; from the root of a checkout:
+
+  python -m benchmarks.core --json bench.json      (was: python -m remat_dist bench)
+  python -m benchmarks.compiled                    (was: bench --compile)
+  python -m benchmarks.hf_transformers             (was: bench --transformers)
+  python -m benchmarks.budget                      (was: bench --budget)
+  python -m benchmarks.scale                       (was: bench --scale)
+  python -m benchmarks.exits                       (was: bench --exits)
+
+docs/benchmarks.md lists them all and what they measured.
 """
 
 
@@ -22,22 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command == "bench" and "--transformers" in rest:
-        from remat_dist.cli.bench_transformers import main as transformers_main
-
-        return transformers_main([a for a in rest if a != "--transformers"])
-    if command == "bench" and "--compile" in rest:
-        from remat_dist.cli.bench_compile import main as compile_main
-
-        return compile_main([a for a in rest if a != "--compile"])
-    if command == "bench":
-        from remat_dist.cli.bench import main as bench_main
-
-        return bench_main(rest)
     if command == "report":
         from remat_dist.cli.report import main as report_main
 
         return report_main(rest)
+    if command == "bench":
+        print(BENCHMARKS_MOVED, file=sys.stderr)
+        return 2
     print(f"remat_dist: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,6 +1,6 @@
 """remat_dist against ``torch.utils.checkpoint`` under FSDP2, in instructions executed.
 
-``bench_fsdp2_overhead.py`` times the two in CPU time, where this 2-core box's noise
+``benchmarks.fsdp2_overhead`` times the two in CPU time, where this 2-core box's noise
 is as large as the difference (two instances of the same torch variant differ by up
 to half a percent). This script counts what each executes instead, which does not
 depend on the machine's load: the same model, layout and checkpoint placement (the
@@ -18,7 +18,7 @@ than torch's checkpoint does for the same step.
 Needs ``valgrind`` on PATH; a run takes about 10 minutes (the program runs some 50
 times slower under valgrind, also where nothing is counted).
 
-    python scripts/bench_fsdp2_instructions.py [--steps N] [--json PATH]
+    python -m benchmarks.fsdp2_instructions [--steps N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from benchmarks._torchrun import with_root
 
 VARIANTS = ("torch.utils.checkpoint", "remat_dist")
 PHASES = ("forward", "backward")
@@ -49,18 +51,19 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit(
-            "bench_fsdp2_instructions.py needs valgrind (callgrind) on PATH: install "
-            "it (apt-get install valgrind) or use bench_fsdp2_overhead.py for times."
+            "benchmarks.fsdp2_instructions needs valgrind (callgrind) on PATH: install "
+            "it (apt-get install valgrind) or use benchmarks.fsdp2_overhead for times."
         )
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, **{_INNER: "1", "PYTHONHASHSEED": "0"})
+        env = with_root(**{_INNER: "1", "PYTHONHASHSEED": "0"})
         cmd = [
             "valgrind",
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={out}/cg.%p",
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "benchmarks.fsdp2_instructions",
             "--steps",
             str(args.steps),
         ]
@@ -101,7 +104,7 @@ def _measure(steps: int) -> None:
 
     import torch.distributed as dist
 
-    from remat_dist.cli.bench_dist import one_rank_fsdp2_bench
+    from benchmarks.dist import one_rank_fsdp2_bench
     from remat_dist.models import make_batch
 
     config, build = one_rank_fsdp2_bench(port=29695)

@@ -1,6 +1,7 @@
-"""``python -m remat_dist bench``: memory and time side by side with the alternatives.
+"""``python -m benchmarks.core``: memory and time side by side with the alternatives.
 
-Single process, on the reference GPT stack. Every variant runs in the same process,
+Single process, on the reference GPT stack (then the distributed rows of
+``benchmarks.dist`` on 2 torchrun ranks, unless ``--dist 0``). Every variant runs in the same process,
 interleaved (one iteration of each in turn), and the table reports medians after
 warm-up as ratios to no checkpointing and to ``torch.utils.checkpoint``: this machine
 is noisy, absolute times vary, ratios measured in one run do not.
@@ -11,7 +12,7 @@ Per variant:
   ``torch.utils.checkpoint``'s included, save-region saves and persisted outputs;
   parameters excluded), plus the op outputs torch's selective checkpointing caches
   (read from its cache by the saved-tensors report). Single process: no collective
-  outputs are kept; the distributed table counts those (bench_dist.py);
+  outputs are kept; the distributed table counts those (``benchmarks.dist``);
 - ``live_after_forward_bytes``: activation bytes alive right after forward, measured
   independently of hooks and reports;
 - ``peak_bytes``: peak of live tensor bytes over one forward+backward, in a separate
@@ -40,7 +41,6 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat_dist as remat
-from remat_dist._torch._tools import mem_tracker
 from remat_dist.core import live_scope_records
 from remat_dist.models import GPT, GPTConfig, make_batch
 from remat_dist.report import build_saved_tensors_report
@@ -188,6 +188,17 @@ def _saved_bytes(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> int
     loss.backward()
     model.zero_grad(set_to_none=True)
     return count.activation_bytes + scopes + cached
+
+
+def mem_tracker() -> tuple[Any, Any] | None:
+    """torch's CPU memory tracker: ``(MemTracker, its memory reference kinds)``;
+    None where this torch has none (the peak and live columns then say ``-``).
+    A private torch module: the benchmarks reach it here, the library never does."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except ImportError:
+        return None
+    return MemTracker, _MemRefType
 
 
 def _memory(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
@@ -401,20 +412,8 @@ def environment() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--scale" in argv:
-        from remat_dist.cli.bench_scale import main as scale_main
-
-        return scale_main([a for a in argv if a != "--scale"])
-    if "--budget" in argv:
-        from remat_dist.cli.bench_budget import main as budget_main
-
-        return budget_main([a for a in argv if a != "--budget"])
-    if "--exits" in argv:
-        from remat_dist.cli.bench_exit import main as exit_main
-
-        return exit_main([a for a in argv if a != "--exits"])
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.core", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--batch", type=int, default=BenchConfig.batch)
     parser.add_argument("--seq", type=int, default=BenchConfig.seq)
@@ -432,18 +431,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dist-iters", type=int, default=8)
     parser.add_argument("--json", default=None, help="write results to this path")
-    parser.add_argument(
-        "--scale", action="store_true",
-        help="run the agreement's scale simulation instead (bench --scale --help)",
-    )
-    parser.add_argument(
-        "--budget", action="store_true",
-        help="run the MemoryBudget sweep on gloo ranks instead (bench --budget --help)",
-    )
-    parser.add_argument(
-        "--exits", action="store_true",
-        help="count unclean exits of an ordinary 2-rank script instead (bench --exits --help)",
-    )
     args = parser.parse_args(argv)
     cfg = BenchConfig(
         batch=args.batch,
@@ -475,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     distributed = None
     if args.dist:
-        from remat_dist.cli.bench_dist import format_dist_table, run_distributed_bench
+        from benchmarks.dist import format_dist_table, run_distributed_bench
 
         distributed = run_distributed_bench(args.dist, iters=args.dist_iters)
         print(f"\ndistributed ({args.dist} gloo ranks, torchrun):")
@@ -495,3 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"wrote {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Where a checkpoint's own Python time goes, timed in place between the kernels.
 
-``bench_fsdp2_overhead.py`` gives the ratio of whole steps; this script times the
+``benchmarks.fsdp2_overhead`` gives the ratio of whole steps; this script times the
 pieces that ratio is made of, inside the same FSDP2 layout (the reference GPT,
 dim 128, 4 blocks, FSDP2 unit per block, the checkpoint inside each unit, a
 1-rank gloo group), per checkpoint call and as the model runs them, so each
@@ -21,7 +21,7 @@ Medians in microseconds, and remat_dist's excess over torch's, printed as a tabl
 and written as JSON. Timing hooks add about a microsecond each, the same in both
 variants; compare rows of one run.
 
-    python scripts/bench_fsdp2_inplace.py [--iters N] [--json PATH]
+    python -m benchmarks.fsdp2_inplace [--iters N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.distributed as dist
 
-    from remat_dist.cli.bench_dist import one_rank_fsdp2_bench
+    from benchmarks.dist import one_rank_fsdp2_bench
     from remat_dist.models import Block, make_batch
 
     config, build = one_rank_fsdp2_bench(port=29731)

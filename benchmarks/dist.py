@@ -1,5 +1,5 @@
-"""The distributed part of ``python -m remat_dist bench``: communication, bytes and
-time on real gloo ranks, side by side, in one run.
+"""``python -m benchmarks.dist`` (also the distributed part of ``benchmarks.core``):
+communication, bytes and time on real gloo ranks, side by side, in one run.
 
 For a tensor-parallel and an FSDP2 reference run of the GPT (same model, same data
 on every rank of a replica), four variants run interleaved: no checkpointing,
@@ -15,10 +15,11 @@ variant once, in a rotating order, so the machine's drift cancels). "saved" coun
 will need per rank: what the saved-tensors hooks see (checkpoint inputs, torch's
 checkpoint's included) plus the collective outputs ``"save"`` keeps for comm-free
 replay, shown again in their own column ("of which kept coll."). Per variant also:
-the agreement rounds, side-channel messages and store requests per rank and step
-(``remat_dist.distributed.step_stats``): zero where nothing is at stake. Then the
-ledger's own costs: per collective (record, verify), and one step's rounds (the
-agreement and the report) on a 2-rank side channel.
+the agreement rounds, gloo operations on the stakes' groups and store requests
+per rank and step (``remat_dist.distributed.step_stats``): zero where nothing is
+at stake. Then the ledger's own costs: per collective (record, verify), and one
+step's rounds (the agreement and the report) on a 2-rank stake group
+(``StakeGroup``, as ``_step`` issues them: 6 int64 each).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import statistics
 import time
 from collections import Counter
 from typing import Any
+
+from benchmarks._torchrun import run_worker
 
 VARIANTS = ("none", "torch.utils.checkpoint", "remat replay", "remat save")
 
@@ -73,7 +76,7 @@ def _torch_checkpoint_blocks(model: Any, tuc: Any) -> None:
 
 
 def one_rank_fsdp2_bench(port: int) -> tuple[Any, Any]:
-    """The FSDP2 overhead scripts' setup (``scripts/bench_fsdp2_*.py``): a 1-rank
+    """The FSDP2 overhead benchmarks' setup (``benchmarks/fsdp2_*.py``): a 1-rank
     gloo group (on ``port`` unless ``MASTER_PORT`` is set), one torch thread, and
     ``(config, build)``: ``build(variant)`` makes the reference GPT (dim 128, 4
     blocks, seq 64) sharded by FSDP2 per block, each block checkpointed inside its
@@ -151,7 +154,7 @@ def bench_rank(layout: str, cfg: dict[str, Any]) -> dict[str, Any]:
             if it >= cfg["warmup"]:
                 times[v].append(elapsed)
                 cpu[v].append(cpu_s)
-                for k in ("agreements", "reports", "messages", "store_requests"):
+                for k in ("agreements", "reports", "operations", "store_requests"):
                     rounds[v][k] += getattr(after, k) - getattr(before, k)
     ratios = {
         v: [a / b for a, b in zip(times[v], times["torch.utils.checkpoint"])]
@@ -223,14 +226,12 @@ def _ledger_costs(n: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from remat_dist.distributed._channel import SideChannel
     from remat_dist.distributed._collectives import (
         CollectiveLedger,
         RecordCollectives,
         VerifyCollectives,
         observe_collectives,
     )
-    from remat_dist.distributed._step import current_step
 
     t = torch.ones(1)
 
@@ -261,20 +262,7 @@ def _ledger_costs(n: int) -> dict[str, float]:
 
     verified = timed(verify)
     logic = _logic_costs(t)
-    step = current_step()
-    ranks = tuple(range(dist.get_world_size()))
-    key = f"remat_dist/bench/ch/{step.stats.channels}/{time.time_ns() // 10**9}"
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, key)  # one new key per measurement, the same everywhere
-    channel = SideChannel(ranks, dist.get_rank(), step.store, keys[0], 60.0)
-    rounds = []
-    req0, msg0 = channel.store_requests, channel.messages
-    for _ in range(200):  # one step's rounds: the plan agreement and the report
-        t0 = time.perf_counter()
-        channel.reduce_max([1, -1, 3, 4, -3, -4], 60.0)
-        channel.reduce_max([2, -2, 0], 60.0)
-        rounds.append(time.perf_counter() - t0)
-    channel.close()
+    rounds, group = _step_rounds(200)
     return {
         "all_reduce_bare": bare,
         "record_extra": record - bare,
@@ -282,9 +270,42 @@ def _ledger_costs(n: int) -> dict[str, float]:
         "record_logic": logic["record"],
         "verify_logic": logic["verify"],
         "step_rounds": statistics.median(rounds) * 1e6,
-        "store_requests_per_step": (channel.store_requests - req0) / 200,
-        "messages_per_step": (channel.messages - msg0) / 200,
+        "store_requests_per_step": group["store_requests"] / 200,
+        "operations_per_step": group["operations"] / 200,
     }
+
+
+def _step_rounds(steps: int) -> tuple[list[float], dict[str, int]]:
+    """One step's rounds, ``steps`` times, on a stake group of every rank (a new
+    stake, so the set-up is done in a warm-up step outside the timings): the plan
+    agreement and the end-of-backward report, each a 6-int64 max-reduce built as
+    ``_step`` builds it. Seconds per step, and the group's operations and store
+    requests over the timed steps."""
+    import torch.distributed as dist
+
+    from remat_dist._torch._c10d import default_store
+    from remat_dist.distributed._stake_group import StakeGroup, stake_base, tagged_words
+
+    ranks = tuple(range(dist.get_world_size()))
+    names = [f"bench/{time.time_ns()}"]
+    dist.broadcast_object_list(names, src=0)  # a new stake per run, the same everywhere
+    group = StakeGroup(ranks, dist.get_rank(), default_store(), stake_base(names[0], ranks), 0)
+    agree, report = tagged_words(1, [3, 4]), tagged_words(2, [0, 0])
+    group.reduce_max(agree, 60.0)  # set-up: the gloo group's rendezvous
+    group.reduce_max(report, 60.0)
+    ops0, req0 = group.rounds, group.store_requests
+    rounds = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        group.reduce_max(agree, 60.0)
+        group.reduce_max(report, 60.0)
+        rounds.append(time.perf_counter() - t0)
+    counts = {
+        "operations": group.rounds - ops0,
+        "store_requests": group.store_requests - req0,
+    }
+    group.close()
+    return rounds, counts
 
 
 def _logic_costs(t: Any, n: int = 20000) -> dict[str, float]:
@@ -367,13 +388,9 @@ def run_distributed_bench(world_size: int = 2, **cfg: Any) -> dict[str, Any]:
     """Both layouts on ``world_size`` local CPU ranks started by ``torchrun``
     (its TCPStore, as in real jobs); rank 0's measurements plus every rank's saved
     bytes."""
-    from remat_dist.cli._torchrun import run_worker
-
     defaults = {"seq": 64, "dim": 128, "layers": 4, "batch": 4, "iters": 8, "warmup": 2}
     defaults.update(cfg)
-    return run_worker(
-        "remat_dist.cli.bench_dist", world_size, defaults, "distributed benchmark"
-    )
+    return run_worker("benchmarks.dist", world_size, defaults, "distributed benchmark")
 
 
 def _per(row: dict[str, Any], key: str) -> float:
@@ -386,7 +403,7 @@ def format_dist_table(result: dict[str, Any]) -> str:
         f"{'layout':<6} {'variant':<24} {'fwd coll':>8} {'bwd coll':>8} {'replayed':>8} "
         f"{'bwd all-gathers':>15} {'saved KiB/rank':>16} {'of which kept coll.':>19} "
         f"{'time ms':>8} {'x none':>6} {'x torch':>7} {'cpu x torch':>11} {'rounds/step':>11} "
-        f"{'msgs/step':>9} {'store req/step':>14}"
+        f"{'gloo ops/step':>13} {'store req/step':>14}"
     )
     lines += [head, "-" * len(head)]
     for layout, res in result["layouts"].items():
@@ -409,7 +426,7 @@ def format_dist_table(result: dict[str, Any]) -> str:
                 f"{r.get('x_torch', r['time_s'] / torch_t):>7.3f} "
                 f"{r.get('cpu_x_torch', r.get('cpu_s', 0.0) / torch_c):>11.3f} "
                 f"{_per(r, 'agreements') + _per(r, 'reports'):>11.1f} "
-                f"{_per(r, 'messages'):>9.1f} {_per(r, 'store_requests'):>14.1f}"
+                f"{_per(r, 'operations'):>13.1f} {_per(r, 'store_requests'):>14.1f}"
             )
     costs = result["layouts"]["tp"]["ledger_cost_us"]
     lines.append(
@@ -417,8 +434,8 @@ def format_dist_table(result: dict[str, Any]) -> str:
         f"record +{costs['record_extra']:.0f} us, verify +{costs['verify_extra']:.0f} us per "
         f"collective (of which remat_dist's logic: record {costs['record_logic']:.1f} us, "
         f"verify {costs['verify_logic']:.1f} us); one step's agreement + report on a "
-        f"2-rank side channel {costs['step_rounds']:.0f} us, "
-        f"{costs['messages_per_step']:.0f} messages and "
+        f"2-rank stake group {costs['step_rounds']:.0f} us, "
+        f"{costs['operations_per_step']:.0f} gloo operations and "
         f"{costs['store_requests_per_step']:.0f} store requests per rank "
         "(any number of checkpoints)"
     )
@@ -435,8 +452,34 @@ def format_dist_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """Run both layouts on ``--ranks`` torchrun ranks; print the table, write
+    ``--json``."""
+    import argparse
     import json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.dist", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=8, help="measured iterations")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    result = run_distributed_bench(args.ranks, iters=args.iters)
+    print(format_dist_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
     import sys
 
-    _torchrun_main(sys.argv[1], json.loads(sys.argv[2]))
+    from benchmarks._torchrun import rank_args
+
+    if (rank := rank_args(sys.argv[1:])) is not None:
+        _torchrun_main(*rank)
+    else:
+        raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""What ``determinism_check="values"`` costs: `python scripts/bench_values.py`.
+"""What ``determinism_check="values"`` costs: ``python -m benchmarks.values``.
 
 On 2 gloo ranks (``remat_dist.testing``), three workloads, each as two models that
 differ only in the check: the bench's tensor-parallel and FSDP2 GPT
-(``remat_dist.cli.bench_dist``'s shapes: seq 64, dim 128, 4 layers, batch 4, every
+(``benchmarks.dist``'s shapes: seq 64, dim 128, 4 layers, batch 4, every
 block checkpointed with verified replay), and a mixture-of-experts block that
 routes its tokens with two ``all_to_all_single`` inside one checkpoint. Each
 iteration times one step (forward + backward) of both, in alternating order, and
@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _gpt(layout: str, check: str, cfg: dict[str, Any]) -> Any:

@@ -1,4 +1,4 @@
-"""``python -m remat_dist bench --compile`` on a tiny size (backend aot_eager): the
+"""``python -m benchmarks.compiled`` on a tiny size (backend aot_eager): the
 table and the JSON, with saved bytes in the expected order."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from remat_dist.cli.main import main
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
 def test_bench_compile_cli(tmp_path, capsys):
+    from benchmarks.compiled import main
+
     out = tmp_path / "bench.json"
     code = main([
-        "bench", "--compile", "--backend", "aot_eager", "--dim", "32", "--heads", "4",
+        "--backend", "aot_eager", "--dim", "32", "--heads", "4",
         "--seq", "16", "--batch", "2", "--layers", "2", "--iters", "1", "--warmup", "1",
         "--json", str(out),
     ])
@@ -35,8 +36,8 @@ def test_bench_compile_cli(tmp_path, capsys):
 def test_bench_compile_refuses_eager_backend(capsys):
     """backend "eager" keeps save regions in torch's selective-checkpoint storage,
     which the saved-bytes column cannot see: not offered."""
-    import pytest
+    from benchmarks.compiled import main
 
     with pytest.raises(SystemExit):
-        main(["bench", "--compile", "--backend", "eager"])
+        main(["--backend", "eager"])
     assert "invalid choice: 'eager'" in capsys.readouterr().err

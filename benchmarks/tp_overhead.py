@@ -3,20 +3,25 @@ parallelism, resolved to a fraction of a percent.
 
 Under TP every replay re-issues the forward's collectives: remat_dist records them
 in forward, agrees on the plan among the TP group, verifies each one before it is
-issued on replay and reports at backward's end. The 2-rank ``bench --dist`` rows
+issued on replay and reports at backward's end. The 2-rank ``benchmarks.dist`` rows
 cannot resolve a 5% target on a shared 2-core box (their intervals are 8-13
 points wide). This script runs the same model and layout (the reference GPT, dim
 128, 4 blocks, seq 64, batch 4, the reference TP plan on 2 gloo ranks it starts
-itself), the two variants interleaved over many iterations, and reports per step:
+itself), three variants interleaved over many iterations in a rotating order (no
+checkpointing, ``torch.utils.checkpoint`` per block, remat_dist per block with
+``collectives="replay"``), and reports per step:
 
-* ``cpu``: the CPU time of both ranks together, remat_dist over torch's (what the
-  checking costs, without the peers' jitter: a rank waiting on gloo sleeps);
+* ``cpu``: the CPU time of both ranks together (what the checking costs, without
+  the peers' jitter: a rank waiting on gloo sleeps);
 * ``wall``: the slower rank's wall time, what a user waits for.
 
-Each with its median ratio and seeded bootstrap 95% interval, and the collectives
-each variant issues per step; it writes JSON.
+Each as ratios within one iteration, remat_dist over torch's (``x_torch``, the
+target) and each checkpointing variant over no checkpointing (``x_none``), with
+the median over iterations and its seeded bootstrap 95% interval, and the
+collectives each variant issues per step; it writes JSON. remat_dist's rounds
+(one agreement and one report per step) run on the TP group's stake group.
 
-    python scripts/bench_tp_overhead.py [--iters N] [--json PATH]
+    python -m benchmarks.tp_overhead [--iters N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-VARIANTS = ("torch.utils.checkpoint", "remat replay")
+from benchmarks._torchrun import child_env
+
+VARIANTS = ("none", "torch.utils.checkpoint", "remat replay")
 
 
 def _rank_main(out_path: str, iters: int) -> None:
@@ -41,7 +49,7 @@ def _rank_main(out_path: str, iters: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import remat_dist as remat
-    from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
+    from benchmarks.dist import _torch_checkpoint_blocks
     from remat_dist.distributed import all_gather_objects
     from remat_dist.distributed._collectives import (
         RecordCollectives,
@@ -59,7 +67,7 @@ def _rank_main(out_path: str, iters: int) -> None:
         model = GPT(config)
         if variant == "remat replay":
             remat.apply_remat(model, blocks=Block, collectives="replay")
-        else:
+        elif variant == "torch.utils.checkpoint":
             _torch_checkpoint_blocks(model, tuc)
         remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
         return model
@@ -70,7 +78,8 @@ def _rank_main(out_path: str, iters: int) -> None:
         wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for it in range(20 + iters):
-            for v in VARIANTS[it % 2 :] + VARIANTS[: it % 2]:
+            k = it % len(VARIANTS)
+            for v in VARIANTS[k:] + VARIANTS[:k]:
                 model = models[v]
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -105,12 +114,13 @@ def _launch(iters: int, ranks: int = 2) -> dict[str, Any]:
         path = os.path.join(tmp, "out.json")
         procs = []
         for rank in range(ranks):
-            env = dict(
-                os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+            env = child_env(
+                RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
             )
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--rank-of", path, "--iters", str(iters)],
+                [sys.executable, "-m", "benchmarks.tp_overhead", "--rank-of", path,
+                 "--iters", str(iters)],
                 env=env, stderr=subprocess.PIPE, text=True,
             ))
         errors = [p.communicate()[1] for p in procs]
@@ -129,12 +139,11 @@ def main() -> None:
     if args.rank_of is not None:
         _rank_main(args.rank_of, args.iters)
         return
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from remat_dist.cli.bench_dist import _ratio_row
+    from benchmarks.dist import _median_ci95, _ratio_row
 
     raw = _launch(args.iters)
     ranks = raw["ranks"]
-    base, mine = VARIANTS
+    none, base, mine = VARIANTS
     per_step = {
         # both ranks' CPU time per iteration; the slower rank's wall time
         "cpu": {v: [sum(r["cpu"][v][i] for r in ranks) for i in range(args.iters)]
@@ -144,18 +153,29 @@ def main() -> None:
     }
     out: dict[str, Any] = {
         "iters": args.iters, "world_size": len(ranks),
-        "collectives_per_step": raw["collectives_per_step"], "rows": {},
+        "collectives_per_step": raw["collectives_per_step"], "rows": {}, "x_none": {},
     }
     print("collectives per step (forward, backward): " + ", ".join(
         f"{v} {c['forward']}, {c['backward']}" for v, c in raw["collectives_per_step"].items()
     ))
-    print(f"{'measure':8s} {'torch ms':>9s} {'remat ms':>9s} {'x torch':>8s}  95% interval")
+    print(
+        f"{'measure':8s} {'none ms':>8s} {'torch ms':>9s} {'remat ms':>9s}"
+        f" {'remat x torch [95%]':>26s} {'torch x none [95%]':>26s}"
+        f" {'remat x none [95%]':>26s}"
+    )
     for measure, series in per_step.items():
         row = out["rows"][measure] = _ratio_row(series[mine], series[base])
-        lo, hi = row["x_torch_ci95"]
+        cells = [(row["x_torch"], row["x_torch_ci95"])]
+        out["x_none"][measure] = {"none_ms": statistics.median(series[none]) * 1e3}
+        for v in (base, mine):
+            ratios = [a / b for a, b in zip(series[v], series[none])]
+            ratio = {"median": statistics.median(ratios), "ci95": _median_ci95(ratios)}
+            out["x_none"][measure][v] = ratio
+            cells.append((ratio["median"], ratio["ci95"]))
         print(
-            f"{measure:8s} {row['torch_ms']:9.2f} {row['remat_ms']:9.2f} "
-            f"{row['x_torch']:8.4f}  [{lo:.4f}, {hi:.4f}]"
+            f"{measure:8s} {out['x_none'][measure]['none_ms']:8.2f} "
+            f"{row['torch_ms']:9.2f} {row['remat_ms']:9.2f}"
+            + "".join(f" {m:8.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in cells)
         )
     if args.json:
         with open(args.json, "w") as f:

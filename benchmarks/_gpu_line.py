@@ -1,4 +1,5 @@
-"""One summary line of a GPU bench JSON (used by scripts/gpu_check.sh)."""
+"""One summary line of a GPU ``benchmarks.core`` JSON (used by scripts/gpu_check.sh):
+``python -m benchmarks._gpu_line BENCH_JSON``."""
 
 import json
 import sys

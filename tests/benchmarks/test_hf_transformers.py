@@ -1,6 +1,6 @@
-"""``bench --transformers`` runs end to end on a tiny size and writes its JSON (a
-smoke test: the figures are measured by running it; here only what holds on any
-machine is asserted, bytes, never times)."""
+"""``python -m benchmarks.hf_transformers`` runs end to end on a tiny size and
+writes its JSON (a smoke test: the figures are measured by running it; here only
+what holds on any machine is asserted, bytes, never times)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
-
-from remat_dist.cli.main import main  # noqa: E402
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
 def test_bench_transformers_tiny_writes_json(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from benchmarks.hf_transformers import main
+
     out = tmp_path / "bench.json"
     rc = main([
-        "bench", "--transformers", "--families", "qwen2", "--hidden", "32",
+        "--families", "qwen2", "--hidden", "32",
         "--layers", "2", "--seq", "16", "--batch", "2", "--iters", "1",
         "--warmup", "2", "--no-compile", "--json", str(out),
     ])

@@ -1,4 +1,4 @@
-"""``python -m remat_dist bench --transformers``: transformers models, side by side.
+"""``python -m benchmarks.hf_transformers``: transformers models, side by side.
 
 One row per architecture family (small configs, random init, nothing downloaded)
 and variant, all measured in one run so that the ratios compare on a noisy machine:
@@ -177,7 +177,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --transformers",
+        prog="python -m benchmarks.hf_transformers",
         description=__doc__.split("\n")[0],
     )
     d = Config()
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("bench --transformers needs transformers: pip install 'remat-dist[test]'",
+        print("benchmarks.hf_transformers needs transformers: pip install 'remat-dist[test]'",
               file=sys.stderr)
         return 2
     cfg = Config(
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_family(family, cfg)
     print(format_table(rows))
     if args.json:
-        from remat_dist.cli.bench import environment
+        from benchmarks.core import environment
 
         with open(args.json, "w") as f:
             json.dump({"config": asdict(cfg), "environment": environment(), "rows": rows},

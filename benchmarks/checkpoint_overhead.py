@@ -8,7 +8,7 @@ and without observers or RNG state hooks. The differences to torch's row are the
 per-checkpoint cost of each part; they do not grow with the block, so their share
 of a step shrinks as blocks get bigger.
 
-    python scripts/bench_checkpoint_overhead.py [--iters N] [--json PATH]
+    python -m benchmarks.checkpoint_overhead [--iters N] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m remat_dist bench --budget``: the memory-budget planner swept over
+"""``python -m benchmarks.budget``: the memory-budget planner swept over
 budgets, on gloo ranks with unequal batches, against full recompute and no
 checkpointing.
 
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from remat_dist.cli._torchrun import run_worker
+from benchmarks._torchrun import rank_args, run_worker
 
 __all__ = ["format_budget_table", "main", "run_budget_bench"]
 
@@ -153,7 +153,7 @@ def run_budget_bench(ranks: int = 2, **cfg: Any) -> dict[str, Any]:
     """The sweep on ``ranks`` local CPU ranks under ``torchrun``; rank 0's rows with
     every rank's saved bytes and step times."""
     full = dict(DEFAULTS, **cfg)
-    return run_worker("remat_dist.cli.bench_budget", ranks, full, "budget benchmark")
+    return run_worker("benchmarks.budget", ranks, full, "budget benchmark")
 
 
 def _plan_text(decisions: dict[str, str] | None) -> str:
@@ -197,7 +197,7 @@ def format_budget_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --budget", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.budget", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--ranks", type=int, default=2)
     for key in ("seq", "dim", "heads", "layers", "batch", "iters", "warmup"):
@@ -220,4 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _torchrun_main(sys.argv[1], json.loads(sys.argv[2]))
+    if (rank := rank_args(sys.argv[1:])) is not None:
+        _torchrun_main(*rank)
+    else:
+        raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""``python -m remat_dist bench --exits N``: how jobs end. Runs an ordinary user
+"""``python -m benchmarks.exits N``: how jobs end. Runs an ordinary user
 script N times on 2 local ranks and counts the runs in which a rank did not exit
 cleanly.
 
-The script (``python -m remat_dist.cli.bench_exit --worker``) is what a user
+The script (``python -m benchmarks.exits --worker``) is what a user
 writes: ``init_process_group`` from the environment, the reference GPT with
 ``apply_remat`` and tensor parallelism (so every step runs an agreement and a
 report), a few optimizer steps, ``destroy_process_group()``, and it falls off the
@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from benchmarks._torchrun import child_env
 
 __all__ = ["main", "run_exits"]
 
@@ -79,7 +80,7 @@ def _worker(layout: str, steps: int, checkpoint: str = "remat") -> None:
     if checkpoint == "torch":
         import torch.utils.checkpoint as tuc
 
-        from remat_dist.cli.bench_dist import _torch_checkpoint_blocks
+        from benchmarks.dist import _torch_checkpoint_blocks
 
         _torch_checkpoint_blocks(model, tuc)
     else:
@@ -149,6 +150,10 @@ def _worker_cycle(checkpoint: str) -> None:
     import torch
     import torch.distributed as dist
 
+    # importing remat_dist installs its exit handler (as the user's script does;
+    # under remat_dist/cli the worker's own package import did it)
+    import remat_dist  # noqa: F401
+
     if checkpoint == "torch":  # the control: without remat_dist's exit handler
         from remat_dist.distributed import _exit
 
@@ -178,13 +183,12 @@ def _one_run(layout: str, steps: int, timeout: float, checkpoint: str) -> dict[s
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore",
+        env = child_env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONWARNINGS="ignore",
         )
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "remat_dist.cli.bench_exit", "--worker",
+            [sys.executable, "-m", "benchmarks.exits", "--worker",
              "--layout", layout, "--steps", str(steps), "--checkpoint", checkpoint],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         ))
@@ -238,7 +242,7 @@ def format_exits(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --exits",
+        prog="python -m benchmarks.exits",
         description="Run an ordinary 2-rank script N times; count unclean exits.",
     )
     parser.add_argument("runs", type=int, nargs="?", default=50)

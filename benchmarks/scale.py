@@ -1,15 +1,21 @@
-"""``python -m remat_dist bench --scale``: what the per-step agreement costs at scale,
-simulated on one machine, against the world-wide store rounds it replaced.
+"""``python -m benchmarks.scale``: what the per-step agreement costs at scale,
+simulated on one machine.
 
 What is simulated. Each step, every rank at stake runs what the library runs: one
-agreement (``SideChannel.reduce_max`` of its tagged plan digest, built as
-``PlanDigest.words`` builds it) and one report, among the ranks of its stake (a
-tensor-parallel group of ``group`` ranks), over the real ``SideChannel`` code and
-real loopback TCP links. The previous design is simulated with its real code too:
-one ``StoreRound`` exchange and one report among all ranks, through one
-``TCPStore`` server.
+agreement (``StakeGroup.reduce_max`` of its tagged plan digest, built as
+``PlanDigest.words`` builds it: 6 int64) and one report (6 int64), among the ranks
+of its stake (a tensor-parallel group of ``group`` ranks), on a real
+``StakeGroup``: a gloo group of the stake's ranks over loopback, set up through
+the store.
 
-How. One ``TCPStore`` server listens in the benchmark process (the channels use it
+Not simulated any more: the world-wide store rounds (``StoreRound``, one exchange
+and one report of every rank through the one store server) that the side channel
+replaced; their code is gone with the side channel (commit 3195571), and their
+measured figures stay in docs/benchmarks.md as history (a TP=8 stake's rounds
+then took 0.35 / 0.72 ms on the side channel; the world store's server took 8,196
+requests per step at 1,024 ranks).
+
+How. One ``TCPStore`` server listens in the benchmark process (the groups use it
 for their set-up only). Simulated ranks are threads spread over a few worker
 processes (``forkserver``), rank ``r`` in worker ``r % workers``, so that the ranks
 of one stake sit in different processes, each with its own store client. A
@@ -21,19 +27,22 @@ Figures per configuration (medians over the measured steps):
   agreement to the last leaving it (its latency once everyone is there), median
   over stakes and steps; ``critical_ms``: the same over the step's two rounds (the
   agreement and the report);
-* ``messages_per_rank`` (mean, max): side-channel messages a rank sends per step;
-* ``server_requests_per_step``: store requests per step at the server (the busiest
-  process of the previous design), ``setup_requests``: once per channel;
+* ``operations_per_rank`` (mean, max): gloo operations a rank issues per step
+  (one per round);
+* ``server_requests_per_step``: store requests per step at the server, steady
+  state; ``setup_requests``: the groups' own requests at their set-up (gloo's
+  rendezvous inside ``ProcessGroupGloo`` not counted);
 * ``modelled`` rows are not run: 16,384 ranks as PP=16 x DP=128 x TP=8 take the
   measured row of the same stake size (stakes share nothing: no server, no link,
-  so their latency does not depend on how many there are), a TP-free FSDP2 job has
-  no stake at all, and the previous design at 16,384 ranks scales its measured
-  per-rank requests and the server's measured request rate.
+  so their latency does not depend on how many there are), and a TP-free FSDP2
+  job has no stake at all.
 
-What it does not capture: a datacenter network (every hop here is a loopback round
-trip of some tens of microseconds), ranks on their own CPUs (here a few cores run
-hundreds of simulated ranks, so latencies at many ranks mostly measure the
-simulation's own contention), and the training work around the rounds.
+What it does not capture: a datacenter network (every hop here is a loopback
+trip), ranks on their own CPUs (here a few cores run hundreds of simulated ranks,
+and every gloo group brings threads of its own, so latencies at many ranks mostly
+measure the simulation's own contention: ``benchmarks.transport`` measures a
+round on real processes and models a core per rank), and the training work
+around the rounds.
 """
 
 from __future__ import annotations
@@ -50,10 +59,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from remat_dist.cli._scale_workers import (
-    CHANNEL,
+from benchmarks._scale_workers import (
     HOST,
-    WORLD_STORE,
+    STAKE_GROUP,
     Job,
     RankResult,
     Workers,
@@ -71,8 +79,8 @@ ROW_KEYS = (
     "stakes",
     "agreement_ms",
     "critical_ms",
-    "messages_per_rank",
-    "messages_per_rank_max",
+    "operations_per_rank",
+    "operations_per_rank_max",
     "server_requests_per_step",
     "setup_requests",
     "modelled",
@@ -84,12 +92,10 @@ ROW_KEYS = (
 class ScaleConfig:
     """What the scale simulation runs, and its time bounds."""
 
-    channel_ranks: tuple[int, ...] = (2, 8, 64, 256)
-    """Simulated ranks of the side-channel configurations (stakes of ``group``)."""
+    ranks: tuple[int, ...] = (2, 8, 64, 256)
+    """Simulated ranks of the configurations (stakes of ``group``)."""
     group: int = 8
     """Ranks per stake (the TP degree); smaller configurations use all their ranks."""
-    store_ranks: tuple[int, ...] = (8, 64, 256, 1024)
-    """Simulated ranks of the previous design's configurations."""
     steps: int = 20
     """Measured steps per configuration."""
     workers: int = 4
@@ -101,14 +107,14 @@ class ScaleConfig:
 
     @classmethod
     def quick(cls) -> ScaleConfig:
-        return cls(channel_ranks=(2, 8), store_ranks=(8,), steps=3, job_limit_s=30.0)
+        return cls(ranks=(2, 8), steps=3, job_limit_s=30.0)
 
 
 def _stats(job: Job, results: list[RankResult]) -> dict[str, Any]:
     errors = [r.error for r in results if r.error]
     done = min(len(r.leave) for r in results)
     row: dict[str, Any] = {
-        "layout": f"TP={job.group} stakes" if job.design == CHANNEL else "world",
+        "layout": f"TP={job.group} stakes",
         "design": job.design,
         "ranks": job.ranks,
         "group": job.group,
@@ -127,13 +133,13 @@ def _stats(job: Job, results: list[RankResult]) -> dict[str, Any]:
             last_in = max(r.enter[s] for r in members)
             crit.append(max(r.leave[s] for r in members) - last_in)
             agree.append(max(r.agreed[s] for r in members) - last_in)
-    msgs = [r.messages[s] for r in results for s in range(done)]
+    ops = [r.operations[s] for r in results for s in range(done)]
     return {
         **row,
         "agreement_ms": statistics.median(agree) * 1e3,
         "critical_ms": statistics.median(crit) * 1e3,
-        "messages_per_rank": statistics.mean(msgs),
-        "messages_per_rank_max": max(msgs),
+        "operations_per_rank": statistics.mean(ops),
+        "operations_per_rank_max": max(ops),
         "server_requests_per_step": statistics.mean(
             sum(r.requests[s] for r in results) for s in range(done)
         ),
@@ -148,7 +154,7 @@ def _stats(job: Job, results: list[RankResult]) -> dict[str, Any]:
 def _models(rows: list[dict[str, Any]], group: int) -> list[dict[str, Any]]:
     """The rows at full scale that are not run (see the module docstring)."""
     out = []
-    same = [r for r in rows if r["design"] == CHANNEL and r["group"] == group and r["steps"]]
+    same = [r for r in rows if r["group"] == group and r["steps"]]
     if same:
         basis = min(same, key=lambda r: r["ranks"])  # the least contended measurement
         out.append({
@@ -158,32 +164,15 @@ def _models(rows: list[dict[str, Any]], group: int) -> list[dict[str, Any]]:
             "stakes": 16384 // group,
             "setup_requests": basis["setup_requests"] / basis["ranks"] * 16384,
             "modelled": True,
-            "basis": f"{CHANNEL} {basis['ranks']} ranks",
+            "basis": f"{STAKE_GROUP} {basis['ranks']} ranks",
         })
     out.append({
-        "layout": "FSDP2 only (no TP)", "design": CHANNEL, "ranks": 1024, "group": 0,
-        "stakes": 0, "agreement_ms": 0.0, "critical_ms": 0.0, "messages_per_rank": 0.0,
-        "messages_per_rank_max": 0, "server_requests_per_step": 0.0,
+        "layout": "FSDP2 only (no TP)", "design": STAKE_GROUP, "ranks": 1024, "group": 0,
+        "stakes": 0, "agreement_ms": 0.0, "critical_ms": 0.0, "operations_per_rank": 0.0,
+        "operations_per_rank_max": 0, "server_requests_per_step": 0.0,
         "setup_requests": 0, "modelled": True,
         "basis": "no stake: no round (tests/distributed: zero rounds on real FSDP2 ranks)",
     })
-    store = [r for r in rows if r["design"] == WORLD_STORE and r["steps"]]
-    if store:
-        basis = max(store, key=lambda r: r["ranks"])
-        per_rank = basis["server_requests_per_step"] / basis["ranks"]
-        rate = basis["server_requests_per_step"] / (basis["wall_ms"] / 1e3)
-        requests = per_rank * 16384
-        out.append({
-            "layout": "world", "design": WORLD_STORE, "ranks": 16384, "group": 16384,
-            "stakes": 1, "agreement_ms": requests / rate * 1e3 * 5 / 8,
-            "critical_ms": requests / rate * 1e3,
-            "messages_per_rank": 0.0, "messages_per_rank_max": 0,
-            "server_requests_per_step": requests, "setup_requests": 0,
-            "modelled": True,
-            "basis": f"{WORLD_STORE} {basis['ranks']} ranks: {per_rank:.1f} requests per "
-                     f"rank, server at {rate:,.0f} requests/s; the agreement is the "
-                     "exchange, 5 of a rank's 8 requests",
-        })
     return out
 
 
@@ -204,8 +193,8 @@ def run_scale(
     import torch
 
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    most = max((*cfg.channel_ranks, *cfg.store_ranks))
-    raise_fd_limit(most * 4)
+    most = max(cfg.ranks)
+    raise_fd_limit(most * (cfg.group + 4))  # store clients and gloo pairs
     server = start_server(cfg.timeout)
     progress(f"scale simulation: TCPStore on {HOST}:{server.port}, up to {most} "
              f"simulated ranks over {min(cfg.workers, most)} worker processes")
@@ -213,9 +202,8 @@ def run_scale(
     run_id = uuid.uuid4().hex[:8]
     rows = []
     try:
-        jobs = [(n, min(cfg.group, n), CHANNEL) for n in cfg.channel_ranks]
-        jobs += [(n, n, WORLD_STORE) for n in cfg.store_ranks]
-        for n, group, design in jobs:
+        for n in cfg.ranks:
+            group, design = min(cfg.group, n), STAKE_GROUP
             job = Job(
                 prefix=f"bench_scale/{run_id}/{design.replace(' ', '_')}/{n}",
                 ranks=n, group=group, design=design, steps=cfg.steps,
@@ -242,8 +230,8 @@ _COLUMNS = (
     # header, row key, width, format
     ("agreement ms", "agreement_ms", 12, ".2f"),
     ("critical ms/step", "critical_ms", 16, ".2f"),
-    ("msgs/rank", "messages_per_rank", 9, ".1f"),
-    ("max", "messages_per_rank_max", 4, ".0f"),
+    ("ops/rank", "operations_per_rank", 8, ".1f"),
+    ("max", "operations_per_rank_max", 4, ".0f"),
     ("store req/step", "server_requests_per_step", 14, ",.0f"),
     ("set-up req", "setup_requests", 10, ",.0f"),
 )
@@ -269,8 +257,8 @@ def format_scale_table(rows: list[dict[str, Any]]) -> str:
     lines += [
         "agreement / critical: from the last member of a stake entering the step's "
         "agreement to the last leaving it / its report, median over stakes and steps",
-        "store req/step: requests at the store server per step, steady state "
-        "(the previous design's busiest process); set-up req: once per channel",
+        "ops/rank: gloo operations per rank and step; store req/step: requests at the "
+        "store server per step, steady state; set-up req: the groups' own, once",
         "~: modelled (not run) from the row named in the JSON 'basis'",
     ]
     return "\n".join(lines)
@@ -279,8 +267,7 @@ def format_scale_table(rows: list[dict[str, Any]]) -> str:
 def _config(args: argparse.Namespace) -> ScaleConfig:
     cfg = ScaleConfig.quick() if args.quick else ScaleConfig()
     changes = {
-        "channel_ranks": tuple(args.ranks) if args.ranks else None,
-        "store_ranks": tuple(args.store_ranks) if args.store_ranks is not None else None,
+        "ranks": tuple(args.ranks) if args.ranks else None,
         "group": args.group,
         "steps": args.steps,
         "workers": args.workers,
@@ -293,14 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the simulation, print its table, write its JSON; 1 if any simulated rank
     saw an error."""
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --scale",
-        description="The per-step agreement among the ranks at stake (side channels) "
-        "against the world-wide store rounds it replaced, with simulated ranks.",
+        prog="python -m benchmarks.scale",
+        description="The per-step agreement among the ranks at stake (a gloo group "
+        "per stake), with simulated ranks.",
     )
     parser.add_argument("--json", default="bench_scale.json", help="write it here")
     parser.add_argument("--quick", action="store_true", help="small configurations")
-    parser.add_argument("--ranks", type=int, nargs="+", help="side-channel ranks to run")
-    parser.add_argument("--store-ranks", type=int, nargs="*", help="previous design's ranks")
+    parser.add_argument("--ranks", type=int, nargs="+", help="simulated ranks to run")
     parser.add_argument("--group", type=int, help="ranks per stake (TP degree)")
     parser.add_argument("--steps", type=int, help="measured steps")
     parser.add_argument("--workers", type=int, help="worker processes")
@@ -312,3 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=2)
     print(f"wrote {args.json}")
     return 1 if any(r.get("errors") for r in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

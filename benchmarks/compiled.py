@@ -1,4 +1,4 @@
-"""``python -m remat_dist bench --compile``: compiled blocks with and without remat.
+"""``python -m benchmarks.compiled``: compiled blocks with and without remat.
 
 Per-block compile as torchtitan does it: a stack of reference GPT blocks, each one
 compiled on its own (``block.compile(backend=..., fullgraph=True)``), after the
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     defaults = CompileBenchConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m remat_dist bench --compile", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.compiled", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--seq", type=int, default=defaults.seq)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(rows))
     if args.json:
-        from remat_dist.cli.bench import environment
+        from benchmarks.core import environment
 
         with open(args.json, "w") as f:
             json.dump(

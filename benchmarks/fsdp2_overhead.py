@@ -1,7 +1,7 @@
 """remat_dist against ``torch.utils.checkpoint`` under FSDP2, resolved to a fraction
 of a percent.
 
-The 2-rank ``bench --dist`` rows cannot resolve a 1% target on a shared 2-core box:
+The 2-rank ``benchmarks.dist`` rows cannot resolve a 1% target on a shared 2-core box:
 one step's time spreads by +-25% around its neighbour's, and the 95% interval of a
 60-iteration median is 8-17 points wide. This script measures the same model and
 layout (the reference GPT, dim 128, 4 blocks, seq 64, batch 4, FSDP2 units per
@@ -24,7 +24,7 @@ join no plan): how much of the cost is that layer's and how much core's. It is a
 diagnostic only: without the observers a replay is not checked against its
 forward's collectives.
 
-    python scripts/bench_fsdp2_overhead.py [--iters N] [--replicas K] [--split] [--json PATH]
+    python -m benchmarks.fsdp2_overhead [--iters N] [--replicas K] [--split] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.distributed as dist
 
-    from remat_dist.cli.bench_dist import _ratio_row, one_rank_fsdp2_bench
+    from benchmarks.dist import _ratio_row, one_rank_fsdp2_bench
     from remat_dist.core import observers_suspended
     from remat_dist.models import make_batch
 

@@ -1,27 +1,28 @@
-"""The benchmark runs end to end on a tiny size and writes its JSON (a smoke test:
-the figures themselves are measured by running it, not asserted here)."""
+"""``benchmarks.core`` (with ``benchmarks.dist``) and the step benchmarks run end to
+end on a tiny size and write their JSON (smoke tests: the figures themselves are
+measured by running them, not asserted here). Slow tier: every test here imports
+``benchmarks`` or starts it."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.benchmarks._run import run_benchmark
 
-@pytest.mark.slow
+pytestmark = pytest.mark.slow
+
+
 def test_bench_tiny_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "remat_dist", "bench", "--dims", "32", "--seq", "16",
-         "--batch", "2", "--layers", "2", "--heads", "4", "--iters", "2", "--warmup", "1",
-         "--steady-steps", "5", "--dist", "2", "--dist-iters", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=400,
+    proc = run_benchmark(
+        "core", "--dims", "32", "--seq", "16", "--batch", "2", "--layers", "2",
+        "--heads", "4", "--iters", "2", "--warmup", "1", "--steady-steps", "5",
+        "--dist", "2", "--dist-iters", "1", "--json", str(out),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     by_variant = {r["variant"]: r for r in data["rows"]}
     # all-recompute keeps exactly what torch.utils.checkpoint keeps
@@ -43,6 +44,13 @@ def test_bench_tiny_writes_json(tmp_path):
     )] == kept
     fsdp = data["distributed"]["layouts"]["fsdp"]
     assert fsdp["remat save"]["kept_collective_bytes_per_rank"] == [0, 0]
+    # TP: one agreement and one report per step, one gloo operation each, no store
+    # request once the stake's group is made; FSDP2 has no stake: nothing
+    assert tp["remat replay"]["per_step"]["operations"] == 2
+    assert tp["remat replay"]["per_step"]["store_requests"] == 0
+    assert fsdp["remat replay"]["per_step"].get("operations", 0) == 0
+    costs = tp["ledger_cost_us"]
+    assert costs["operations_per_step"] == 2 and costs["store_requests_per_step"] == 0
     assert "of which kept coll." in proc.stdout
     assert "x torch" in proc.stdout and "distributed (2 gloo ranks" in proc.stdout
 
@@ -51,7 +59,7 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
     # torch.utils.checkpoint keeps each block's input; the saved column (a
     # saved-tensors-hooks count) includes them, and so does the report, which
     # labels them as torch's: layers x (batch, seq, dim) float32.
-    from remat_dist.cli import bench
+    from benchmarks import core as bench
     from remat_dist.models import GPT, GPTConfig, make_batch
     from remat_dist.report import build_saved_tensors_report
 
@@ -77,21 +85,15 @@ def test_bench_saved_column_counts_torch_checkpoint_inputs():
 
 
 def _run_bench_script(name: str, tmp_path: Path, *args: str) -> tuple[Any, Any]:
-    """Run ``scripts/<name>.py --iters 3`` with ``args``; its process and its JSON."""
+    """Run ``python -m benchmarks.<name> --iters 3`` with ``args``; its process and
+    its JSON."""
     out = tmp_path / f"{name}.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / f"{name}.py"), "--iters", "3", *args,
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_benchmark(name, "--iters", "3", *args, "--json", str(out), timeout=300)
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.slow
 def test_fsdp2_overhead_script_writes_json(tmp_path):
-    proc, result = _run_bench_script("bench_fsdp2_overhead", tmp_path, "--split")
+    proc, result = _run_bench_script("fsdp2_overhead", tmp_path, "--split")
     # --split: the same table again for remat_dist without the distributed observers
     assert "remat_dist, no observers:" in proc.stdout
     for rows in (result["rows"], result["split_rows"]):
@@ -106,9 +108,8 @@ def test_fsdp2_overhead_script_writes_json(tmp_path):
     assert lo <= result["aa_row"]["x_torch"] <= hi
 
 
-@pytest.mark.slow
 def test_fsdp2_inplace_script_times_every_checkpoint_and_its_replay(tmp_path):
-    proc, result = _run_bench_script("bench_fsdp2_inplace", tmp_path)
+    proc, result = _run_bench_script("fsdp2_inplace", tmp_path)
     rows, blocks = result["rows"], result["config"]["n_layers"]
     # one sample per block call, forward and backward, in both variants
     per_variant = {"remat_dist": 3 * blocks, "torch": 3 * blocks}
@@ -122,30 +123,32 @@ def test_fsdp2_inplace_script_times_every_checkpoint_and_its_replay(tmp_path):
     assert "forward pre" in proc.stdout
 
 
-@pytest.mark.slow
 def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path):
-    _, result = _run_bench_script("bench_tp_overhead", tmp_path)
+    _, result = _run_bench_script("tp_overhead", tmp_path)
     assert result["world_size"] == 2 and set(result["rows"]) == {"cpu", "wall"}
     counts = result["collectives_per_step"]
-    # the replay re-issues the forward's collectives: the same ones as torch's
+    # the replay re-issues the forward's collectives: the same ones as torch's,
+    # which are those of no checkpointing plus the replayed ones
     assert counts["remat replay"] == counts["torch.utils.checkpoint"]
     assert counts["remat replay"]["backward"] > counts["remat replay"]["forward"] > 0
+    assert counts["none"]["forward"] == counts["remat replay"]["forward"]
+    assert counts["none"]["backward"] < counts["remat replay"]["backward"]
     for row in result["rows"].values():
         lo, hi = row["x_torch_ci95"]
         assert lo <= row["x_torch"] <= hi
+    assert set(result["x_none"]) == {"cpu", "wall"}
+    for row in result["x_none"].values():
+        assert row["none_ms"] > 0
+        for v in ("torch.utils.checkpoint", "remat replay"):
+            lo, hi = row[v]["ci95"]
+            assert lo <= row[v]["median"] <= hi
 
 
 def test_instruction_counts_sum_each_functions_own_cost_and_skip_inclusive_call_costs(
     tmp_path,
 ):
-    import importlib.util
+    from benchmarks import fsdp2_instructions as script
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(
-        "bench_fsdp2_instructions", root / "scripts" / "bench_fsdp2_instructions.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     # the shape of a callgrind dump: own costs per line, and after each calls= line
     # the call's inclusive cost, which is the callee's and must not count twice
     body = (

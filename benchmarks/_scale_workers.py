@@ -1,15 +1,14 @@
 """The scale simulation's machinery: simulated ranks, the worker processes and
 threads they run in, and the TCPStore server they talk to.
 
-``remat_dist.cli.bench_scale`` says what is simulated and why, runs the
-configurations and turns their :class:`RankResult` s into rows; this module is the
-part that runs in (or starts) other processes and threads. One simulated rank
-(:func:`simulate_rank`) runs the real code of one design: the side channel of its
-stake (``SideChannel``: direct links among the group's ranks, set up through its
-own ``TCPStore`` client) or the previous design's world-wide store rounds
-(``StoreRound``). A worker process (:func:`_worker`) holds many ranks, one thread
-each; :class:`Workers` starts those processes (``forkserver``, which preloads this
-module) and hands them one :class:`Job` per configuration.
+``benchmarks.scale`` says what is simulated and why, runs the configurations and
+turns their :class:`RankResult` s into rows; this module is the part that runs in
+(or starts) other processes and threads. One simulated rank
+(:func:`simulate_rank`) runs the library's rounds on the real transport: a
+``StakeGroup`` of its stake (a gloo group of the stake's ranks, set up through its
+own ``TCPStore`` client). A worker process (:func:`_worker`) holds many ranks, one
+thread each; :class:`Workers` starts those processes (``forkserver``, which
+preloads this module) and hands them one :class:`Job` per configuration.
 """
 
 from __future__ import annotations
@@ -26,14 +25,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from remat_dist.distributed._channel import SideChannel
-from remat_dist.distributed._plan import PlanDigest, plans_differ
-from remat_dist.distributed._store_round import StoreRound
+from remat_dist.distributed._plan import PlanDigest
+from remat_dist.distributed._stake_group import (
+    StakeGroup,
+    all_equal,
+    stake_base,
+    tagged_words,
+)
 
 __all__ = [
-    "CHANNEL",
     "HOST",
-    "WORLD_STORE",
+    "STAKE_GROUP",
     "Job",
     "RankResult",
     "Workers",
@@ -44,12 +46,9 @@ __all__ = [
 
 HOST = "127.0.0.1"
 RESOLVER_NOISE = "hostname of the client socket cannot be retrieved"
-CHANNEL = "side channel"
+STAKE_GROUP = "stake group"
 """Design name: per step, one agreement and one report among each stake's ranks on
-their side channel (what the library does)."""
-WORLD_STORE = "world store"
-"""Design name: per step, one exchange and one report among all ranks through the
-one store server (the design it replaced)."""
+their gloo group (what the library does)."""
 
 
 # -- one simulated rank
@@ -62,7 +61,7 @@ class Job:
     prefix: str
     ranks: int
     group: int
-    """Ranks per stake (the TP degree); the world for ``WORLD_STORE``."""
+    """Ranks per stake (the TP degree)."""
     design: str
     steps: int
     timeout: float
@@ -79,7 +78,8 @@ class RankResult:
     agreed: list[float] = field(default_factory=list)
     """When the step's agreement round ended (the report follows)."""
     leave: list[float] = field(default_factory=list)
-    messages: list[int] = field(default_factory=list)
+    operations: list[int] = field(default_factory=list)
+    """gloo operations this rank issued per step (one per round)."""
     requests: list[int] = field(default_factory=list)
     setup_requests: int = 0
     error: str | None = None
@@ -94,56 +94,32 @@ def _plan(rank: int, group: int) -> PlanDigest:
     return plan
 
 
-class _Channel:
-    """The library's rounds for one step on a side channel: the agreement (the
-    plan's two words, tagged) and the report (no failure)."""
+class _Stake:
+    """The library's rounds for one step on the stake's gloo group, as ``_step``
+    issues them: the agreement (the plan's two words, tagged: 6 int64) and the
+    report (no failure: 6 int64). The group is made at the first round."""
 
     def __init__(self, store: Any, job: Job, rank: int) -> None:
         first = rank - rank % job.group
         ranks = tuple(range(first, first + job.group))
         self.words = _plan(rank, job.group).words()
-        self.ch = SideChannel(ranks, rank, store, f"{job.prefix}/g{first}", job.timeout)
+        base = stake_base(job.prefix, ranks)
+        self.group = StakeGroup(ranks, rank, store, base, 0)
         self.timeout = job.timeout
 
     def step(self, agreed: list[float]) -> None:
-        w = self.words
-        got = self.ch.reduce_max([1, -1, *w, *(-x for x in w)], self.timeout)
+        got = self.group.reduce_max(tagged_words(1, self.words), self.timeout)
         agreed.append(time.monotonic())
-        if got[2:4] != w:
+        if not all_equal(got[2:], self.words):
             raise RuntimeError("the agreement found different plans")
-        if self.ch.reduce_max([2, -2, 0], self.timeout)[2]:
+        if self.group.reduce_max(tagged_words(2, [0, 0]), self.timeout)[2]:
             raise RuntimeError("the report found a failure")
 
     def counts(self) -> tuple[int, int]:
-        return self.ch.messages, self.ch.store_requests
+        return self.group.rounds, self.group.store_requests
 
     def close(self) -> None:
-        self.ch.close()
-
-
-class _WorldStore:
-    """The previous design's rounds for one step: one exchange among all ranks
-    through the store, then one report."""
-
-    def __init__(self, store: Any, job: Job, rank: int) -> None:
-        import torch.distributed as dist
-
-        self.rnd = StoreRound(dist.PrefixStore(job.prefix, store), tuple(range(job.ranks)), rank)
-        self.value = _plan(rank, job.group).value()
-        self.timeout = job.timeout
-
-    def step(self, agreed: list[float]) -> None:
-        if self.rnd.exchange(self.value, timeout=self.timeout, judge=plans_differ) is not None:
-            raise RuntimeError("the exchange found different plans")
-        agreed.append(time.monotonic())
-        if self.rnd.report(None, timeout=self.timeout) is not None:
-            raise RuntimeError("the report found a failure")
-
-    def counts(self) -> tuple[int, int]:
-        return 0, self.rnd.requests
-
-    def close(self) -> None:
-        pass
+        self.group.close()
 
 
 def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
@@ -151,8 +127,8 @@ def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
     out = RankResult(rank)
     sim: Any = None
     try:
-        sim = (_Channel if job.design == CHANNEL else _WorldStore)(store, job, rank)
-        sim.step([])  # warm-up: set-up done, keys in their steady state
+        sim = _Stake(store, job, rank)
+        sim.step([])  # warm-up: the group's set-up, at its first round
         out.setup_requests = sim.counts()[1]
         for _ in range(job.steps):
             if time.monotonic() > job.stop_at:
@@ -162,7 +138,7 @@ def simulate_rank(store: Any, job: Job, rank: int) -> RankResult:
             out.leave.append(time.monotonic())
             out.enter.append(t0)
             m1, r1 = sim.counts()
-            out.messages.append(m1 - m0)
+            out.operations.append(m1 - m0)
             out.requests.append(r1 - r0)
     except Exception as e:  # reported per rank, never raised in a thread
         out.error = f"{type(e).__name__}: {e}"
