@@ -12,8 +12,8 @@ interpreter is still whole (an ``atexit`` handler: it runs before finalization).
    exception"). A two-rank script whose only oddity is the world group and a
    subgroup held by a cycle past ``destroy_process_group()`` aborted in 3 to 5
    runs of 12 (with one of the two groups held, in none of 12), and in none of
-   12 with this collection (``python -m remat_dist bench --exits --layout
-   cycle``). A group still referenced from a live global at exit is beyond this:
+   12 with this collection (``python -m benchmarks.exits --layout cycle``, from
+   a checkout). A group still referenced from a live global at exit is beyond this:
    it is freed in finalization whatever runs here.
 """
 

@@ -657,7 +657,7 @@ def test_collectives_are_issued_without_python_saved_tensor_hooks():
     object: inside a checkpoint, remat_dist's kernel issues every collective with
     the saved-tensor hooks stack emptied, and puts it back after. A gloo worker thread that had to take the GIL to free captured hooks
     could be killed at interpreter exit ("terminate called without an active
-    exception"; ``python -m remat_dist bench --exits --layout forced`` times it)."""
+    exception"; ``python -m benchmarks.exits --layout forced`` times it)."""
     from remat_dist.distributed._intercept import _issue_bare
 
     top = torch._C._autograd._top_saved_tensors_default_hooks
@@ -692,7 +692,7 @@ def test_collectives_under_remat_hooks_outside_a_checkpoint_go_out_bare(ctx):
     scope: FSDP2's and TP's collectives outside the checkpoints are issued under
     their Python hooks. The
     distributed layer routes them through the kernel that takes the hooks off
-    (``bench --exits --layout forced-hooks``: 4 aborts in 40 exits without this,
+    (``python -m benchmarks.exits --layout forced-hooks``: 4 aborts in 40 exits without this,
     0 with it). torch's own hook context is not seen: that one stays torch's."""
     import remat_dist as remat
     from remat_dist.distributed import _intercept
@@ -780,11 +780,11 @@ def test_a_group_held_by_a_reference_cycle_does_not_abort_the_exit():
     ``destroy_process_group()`` Python would free that cycle during finalization,
     where the gloo group's destructor aborts the process ("terminate called
     without an active exception": 3 runs of 12 without remat_dist's exit handler,
-    ``bench --exits --layout cycle --checkpoint torch``). The handler collects the
+    ``python -m benchmarks.exits --layout cycle --checkpoint torch``). The handler collects the
     cycle at exit, while the interpreter is whole: no rank of 16 runs aborts (the
     control aborts in about one run of four, so 16 clean runs without the handler
     would happen about once in a hundred)."""
-    from remat_dist.cli.bench_exit import run_exits
+    from benchmarks.exits import run_exits
 
     result = run_exits(16, layout="cycle", timeout=60.0)
     assert result["worker_exits"] == 32
