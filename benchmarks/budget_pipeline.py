@@ -50,30 +50,7 @@ if str(ROOT) not in sys.path:
 import remat_dist as remat  # noqa: E402
 from remat_dist.core import plain  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
-from remat_dist.models import GPT, Block, GPTConfig, make_batch  # noqa: E402
-
-
-class Stage(nn.Module):
-    """Blocks ``layer_ids`` of a GPT; the first stage embeds, the last ends with
-    the final norm and the head."""
-
-    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
-        for block in self.layers.values():
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.norm(x))
-        return x
+from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
 
 
 class _Held:
@@ -143,7 +120,9 @@ def _run(args, rank, schedule_name, policy, config):
 
     per = args.layers
     torch.manual_seed(0)
-    module = Stage(GPT(config), list(range(rank * per, (rank + 1) * per)), rank == 0, rank == 1)
+    module = GPTStage(
+        GPT(config), list(range(rank * per, (rank + 1) * per)), first=rank == 0, last=rank == 1
+    )
     if policy is not None:
         remat.apply_remat(module, blocks=Block, policy=policy)
     meter = Peak(module)

@@ -6,6 +6,7 @@ from remat_dist.models._gpt import (
     Attention,
     Block,
     GPTConfig,
+    GPTStage,
     block_tp_plan,
     make_batch,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "Attention",
     "Block",
     "GPTConfig",
+    "GPTStage",
     "block_tp_plan",
     "make_batch",
 ]

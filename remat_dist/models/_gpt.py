@@ -263,3 +263,29 @@ def block_tp_plan() -> dict[str, Any]:
     from remat_dist.shard import reference_tp_plan
 
     return dict(reference_tp_plan().block)
+
+
+class GPTStage(nn.Module):
+    """The blocks ``layer_ids`` of a :class:`GPT` that one pipeline stage runs, for
+    ``torch.distributed.pipelining.PipelineStage``: the first stage also embeds,
+    the last ends with the final norm and the head. The blocks keep their
+    qualified names (``layers.{i}``), so a checkpoint's region name is the full
+    model's on every stage."""
+
+    def __init__(self, model: GPT, layer_ids: list[int], *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        if last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.layers.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.norm(x))
+        return x

@@ -23,7 +23,7 @@ import torch
 import remat_dist as remat
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.core import plain
-from remat_dist.models import GPT, Block, block_tp_plan, make_batch
+from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
 
 pytest.importorskip("torch.distributed.pipelining")
@@ -32,7 +32,6 @@ from tests.distributed.test_pipeline import (  # noqa: E402
     BATCH,
     CONFIG,
     MICRO_BATCHES,
-    StageModule,
     _loss_fn,
 )
 
@@ -109,8 +108,8 @@ class PeakMeter:
 def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
     per = CONFIG.n_layers // 2
     torch.manual_seed(0)
-    module = StageModule(GPT(CONFIG), list(range(stage * per, (stage + 1) * per)),
-                         stage == 0, stage == 1)
+    module = GPTStage(GPT(CONFIG), list(range(stage * per, (stage + 1) * per)),
+                      first=stage == 0, last=stage == 1)
     if tp_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -282,7 +281,7 @@ def test_interleaved_1f1b_budget(ctx: DistContext):
         for k in range(2):
             s = ctx.rank + 2 * k
             torch.manual_seed(0)
-            m = StageModule(GPT(CONFIG), [s], s == 0, s == 3)
+            m = GPTStage(GPT(CONFIG), [s], first=s == 0, last=s == 3)
             if policy is not None:
                 remat.apply_remat(m, blocks=Block, policy=policy)
             mods.append(m)

@@ -19,11 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import remat_dist as remat
 from remat_dist.distributed import step_stats
-from remat_dist.models import GPT, Block, GPTConfig, block_tp_plan, make_batch
+from remat_dist.models import GPT, Block, GPTConfig, GPTStage, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
@@ -45,29 +44,6 @@ SAVE_MLP = {"mlp.w1": "save", "mlp.w2": "save"}
 are persisted for the replays (GELU and the residual add read them)."""
 
 
-class StageModule(nn.Module):
-    """The slice of a GPT that one pipeline stage runs (``layers.{i}`` keep their
-    names, so remat's checkpoint names are the full model's)."""
-
-    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
-        for block in self.layers.values():
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.norm(x))
-        return x
-
-
 def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -77,8 +53,8 @@ def _stages(stage_ids, n_stages, *, remat_policy, tp_mesh=None, dp_mesh=None,
     per = CONFIG.n_layers // n_stages
     out = []
     for s in stage_ids:
-        module = StageModule(
-            GPT(CONFIG), list(range(s * per, (s + 1) * per)), s == 0, s == n_stages - 1
+        module = GPTStage(
+            GPT(CONFIG), list(range(s * per, (s + 1) * per)), first=s == 0, last=s == n_stages - 1
         )
         if tp_mesh is not None:
             from torch.distributed.tensor.parallel import parallelize_module

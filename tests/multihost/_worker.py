@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import remat_dist as remat
-from remat_dist.models import GPT, Block, GPTConfig, block_tp_plan, make_batch
+from remat_dist.models import GPT, Block, GPTConfig, GPTStage, block_tp_plan, make_batch
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=3)
 """The reference GPT of the TP and HSDP scenarios (test_faults' size)."""
@@ -350,28 +350,6 @@ def scenario_moe(opts: dict[str, Any], out: dict[str, Any]) -> None:
 # -- PP x TP ---------------------------------------------------------------------
 
 
-class StageModule(nn.Module):
-    """The layers of one pipeline stage of a GPT (embedding first, head last)."""
-
-    def __init__(self, model: GPT, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        if last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1]))
-        for block in self.layers.values():
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.norm(x))
-        return x
-
-
 def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -393,8 +371,8 @@ def scenario_pp_tp(opts: dict[str, Any], out: dict[str, Any]) -> None:
     layer_ids = list(range(stage * per, (stage + 1) * per))
 
     def run(policy) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor | None]]]:
-        module = StageModule(
-            GPT(PP_CONFIG), layer_ids, stage == 0, stage == n_stages - 1
+        module = GPTStage(
+            GPT(PP_CONFIG), layer_ids, first=stage == 0, last=stage == n_stages - 1
         )
         for block in module.layers.values():
             parallelize_module(block, tp, block_tp_plan())
