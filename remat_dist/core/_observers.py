@@ -36,7 +36,7 @@ def observers_suspended() -> Iterator[None]:
     records carry nothing of the layers above, so the observers leave their
     replays alone too (the distributed layer neither verifies nor agrees on
     them). A diagnostic: what the layers above cost, measured against the core
-    alone (``scripts/bench_fsdp2_overhead.py --split``). Not for training."""
+    alone (``python -m benchmarks.fsdp2_overhead --split``). Not for training."""
     observers = list(_SEAMS.observers)
     _SEAMS.observers.clear()
     _SEAMS.refresh()
