@@ -354,11 +354,13 @@ def _plan_within_the_stage(ctx, dim):
             assert decisions == plan.decisions() and in_flight == plan.in_flight
 
 
+@pytest.mark.slow  # 4 ranks: the fast tier keeps the 2-rank cases
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"), timeout=240)
 def test_pp_x_tp_plans_within_the_stage(ctx: DistContext):
     _plan_within_the_stage(ctx, "tp")
 
 
+@pytest.mark.slow  # 4 ranks: the fast tier keeps the 2-rank cases
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "dp"), timeout=240)
 def test_pp_x_fsdp2_plans_within_the_stage(ctx: DistContext):
     _plan_within_the_stage(ctx, "dp")

@@ -223,6 +223,7 @@ def test_zero_bubble_bitwise(ctx: DistContext, schedule_name, policy):
     assert after.agreements == before.agreements  # nothing at stake
 
 
+@pytest.mark.slow  # 4 ranks: the fast tier keeps the 2-rank cases
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "tp"))
 def test_zero_bubble_pp_x_tp_bitwise(ctx: DistContext):
     # each weight pass that reaches a block replays it: the attention's all-reduce
@@ -239,6 +240,7 @@ def test_zero_bubble_pp_x_tp_bitwise(ctx: DistContext):
 @pytest.mark.skipif(
     "ScheduleZBVZeroBubble" not in ZERO_BUBBLE, reason="no ZBV schedule in torch"
 )
+@pytest.mark.slow  # 4 ranks: the fast tier keeps the 2-rank cases
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("pp", "dp"))
 def test_zero_bubble_pp_x_fsdp2_bitwise(ctx: DistContext):
     pp, dp = ctx.mesh["pp"], ctx.mesh["dp"]
