@@ -182,8 +182,10 @@ class StakeGroup:
     def _setup_failure(self, error: RuntimeError, timeout: float) -> RoundFailure:
         """gloo's rendezvous failed: the ranks that never came (no ``here`` key)
         are missing; if every rank came, some could not connect (the first rank
-        to find it posts why, for the others to say too)."""
-        if self._absent("here"):
+        to find it posts why, for the others to say too). An error of this rank's
+        own (an interface gloo cannot use) is a set-up failure whoever came."""
+        text = str(error).lower()
+        if ("timed out" in text or "timeout" in text) and self._absent("here"):
             return self._give_up(_SETUP, timeout)
         where = {}
         for i, r in enumerate(self.ranks):
@@ -244,7 +246,7 @@ class StakeGroup:
         try:
             self._wait(issue(self._group(timeout)), seq, t0, timeout)
         except BaseException:
-            self.close()
+            self._fail()
             raise
         self.last_round_s = time.monotonic() - t0
 
@@ -367,13 +369,19 @@ class StakeGroup:
 
     # -- teardown
     def close(self) -> None:
-        """Drop the gloo group (its connections close: partners see it at once)
-        and this rank's keys of this generation; the group is spent."""
+        """Drop the gloo group (its connections close: partners see it at once);
+        the group is spent. No store request: at exit the store may be gone."""
         self.broken = True
         self._pg = None
+
+    def _fail(self) -> None:
+        """A round or the set-up failed here: take back this rank's keys of this
+        generation (its ``here`` and arrivals; the abort stays for late ranks),
+        then close."""
         for key in self._posted:
             self._quiet("delete_key", key)
         self._posted.clear()
+        self.close()
 
 
 def current_generation(store: Any, base: str) -> int:
