@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from benchmarks._output import write_json
 from benchmarks._torchrun import rank_args, run_worker
 
 __all__ = ["format_budget_table", "main", "run_budget_bench"]
@@ -212,10 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {k: getattr(args, k) for k in DEFAULTS}
     result = run_budget_bench(args.ranks, **cfg)
     print(format_budget_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 

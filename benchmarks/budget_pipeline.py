@@ -41,71 +41,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
-from remat_dist.core import plain  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
-
-
-class _Held:
-    __slots__ = ("t", "meter", "key")
-
-    def __init__(self, t, meter, key):
-        self.t, self.meter, self.key = t, meter, key
-
-    def __del__(self):
-        self.meter.release(self.key)
-
-
-class Peak:
-    """Live activation bytes of ``module``'s forwards' graphs, and their peak."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.params = {self.key(p) for p in module.parameters()}
-        self.live: dict = {}
-        self.total = self.peak = 0
-        self.hooks = remat.saved_tensors_hooks(self.pack, lambda h: h.t)
-        module.register_forward_pre_hook(self.enter, prepend=True)
-        module.register_forward_hook(self.exit, always_call=True)
-
-    def enter(self, module, args) -> None:
-        self.hooks.__enter__()
-
-    def exit(self, module, args, output) -> None:
-        self.hooks.__exit__(None, None, None)
-
-    @staticmethod
-    def key(t):
-        local = plain(t)
-        return (local.device, local.untyped_storage()._cdata)
-
-    def pack(self, t):
-        key = self.key(t)
-        local = plain(t)
-        if key in self.params or isinstance(local, nn.Parameter):
-            return _Held(t.detach(), self, None)
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [local.untyped_storage().nbytes(), 0]
-            self.total += entry[0]
-            self.peak = max(self.peak, self.total)
-        entry[1] += 1
-        return _Held(t.detach(), self, key)
-
-    def release(self, key):
-        entry = self.live.get(key) if key is not None else None
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.total -= entry[0]
+from remat_dist.testing import PeakSavedBytes  # noqa: E402
 
 
 def _loss(logits, targets):
@@ -125,14 +69,14 @@ def _run(args, rank, schedule_name, policy, config):
     )
     if policy is not None:
         remat.apply_remat(module, blocks=Block, policy=policy)
-    meter = Peak(module)
+    meter = PeakSavedBytes(module)
     pipe = PipelineStage(module, rank, 2, torch.device("cpu"))
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
     times, peaks = [], []
     for step in range(args.warmup + args.iters):
         module.zero_grad(set_to_none=True)
-        meter.peak = meter.total
+        meter.reset()
         dist.barrier()
         t0 = time.perf_counter()
         if rank == 0:

@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from benchmarks._output import write_json
 from benchmarks._torchrun import run_worker
 
 VARIANTS = ("none", "torch.utils.checkpoint", "remat replay", "remat save")
@@ -456,7 +457,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run both layouts on ``--ranks`` torchrun ranks; print the table, write
     ``--json``."""
     import argparse
-    import json
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.dist", description=__doc__.split("\n\n")[0]
@@ -467,10 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run_distributed_bench(args.ranks, iters=args.iters)
     print(format_dist_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 

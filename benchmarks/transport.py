@@ -37,7 +37,6 @@ the end-of-backward report).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -47,6 +46,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks._output import write_json
 from benchmarks._torchrun import ROOT, run_worker
 from benchmarks._transport_rank import (
     DESIGNS,
@@ -288,10 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout, old_rev=args.old_rev or None,
     )
     print(format_transport(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 

@@ -35,6 +35,7 @@ from remat_dist.testing._errors import (
     DistributedTimeoutError,
     RankFailure,
 )
+from remat_dist.testing._peak import PeakSavedBytes
 from remat_dist.testing._pool import (
     START_METHOD_ENV,
     PoolStats,
@@ -48,6 +49,7 @@ __all__ = [
     "DistContext",
     "DistributedTestError",
     "DistributedTimeoutError",
+    "PeakSavedBytes",
     "PoolStats",
     "RankFailure",
     "SavedBytesCounter",

@@ -5,7 +5,7 @@ stages (and 2x2 with tensor parallelism or FSDP2), the stages of
 
 The budget is the rank's peak: the most activation bytes alive at any moment of a
 whole schedule step, every micro-batch in flight included, measured here by
-:class:`PeakMeter` (unique storages held by autograd for the stage's forwards,
+:class:`PeakSavedBytes` (unique storages held by autograd for the stage's forwards,
 parameters apart, as ``SavedBytesCounter`` counts them). Each stage plans at the
 end of its profiling step from what it measured there (nothing gathered across
 stages, so no deadlock with the pipeline's sends and receives), for the forwards
@@ -22,9 +22,8 @@ import torch
 
 import remat_dist as remat
 from remat_dist.budget._solver import brute_force, plan_cost
-from remat_dist.core import plain
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
-from remat_dist.testing import DistContext, distributed
+from remat_dist.testing import DistContext, PeakSavedBytes, distributed
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -37,72 +36,6 @@ from tests.distributed.test_pipeline import (  # noqa: E402
 
 IN_FLIGHT = {"Schedule1F1B": (2, 1), "ScheduleGPipe": (4, 4)}
 """Forwards alive at once on stage 0 and stage 1 of 2, 4 micro-batches."""
-
-
-class _Held:
-    """What a saved tensor is packed into: counts its storage alive until autograd
-    frees it (after the node's backward, or with the graph)."""
-
-    __slots__ = ("t", "meter", "key")
-
-    def __init__(self, t: torch.Tensor, meter: PeakMeter, key) -> None:
-        self.t, self.meter, self.key = t, meter, key
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
-class PeakMeter:
-    """The most activation bytes alive at once in ``module``'s forwards' graphs:
-    an outermost ``remat_dist.saved_tensors_hooks`` entered around each forward of
-    the module (before the planner's counter, which hands it every tensor), that
-    follows each packed storage until autograd frees its last saved reference."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.params = {self._key(p) for p in module.parameters()}
-        self.live: dict = {}
-        self.total = 0
-        self.peak = 0
-        self._hooks = remat.saved_tensors_hooks(self._pack, lambda h: h.t if isinstance(h, _Held) else h)
-        self._depth = 0
-        module.register_forward_pre_hook(self._enter, prepend=True)
-        module.register_forward_hook(self._exit, always_call=True)
-
-    @staticmethod
-    def _key(t):
-        local = plain(t)
-        return (local.device, local.untyped_storage()._cdata)
-
-    def _enter(self, module, args):
-        self._hooks.__enter__()
-
-    def _exit(self, module, args, out):
-        self._hooks.__exit__(None, None, None)
-
-    def _pack(self, t):
-        key = self._key(t)
-        local = plain(t)
-        if key in self.params or isinstance(local, torch.nn.Parameter):
-            return t.detach()
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [local.untyped_storage().nbytes(), 0]
-            self.total += entry[0]
-            self.peak = max(self.peak, self.total)
-        entry[1] += 1
-        return _Held(t.detach(), self, key)
-
-    def _release(self, key) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.total -= entry[0]
-
-    def reset(self) -> None:
-        self.peak = self.total
 
 
 def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
@@ -134,7 +67,7 @@ def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_me
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
-    meter = PeakMeter(module)
+    meter = PeakSavedBytes(module)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp_group)
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
@@ -285,7 +218,7 @@ def test_interleaved_1f1b_budget(ctx: DistContext):
             if policy is not None:
                 remat.apply_remat(m, blocks=Block, policy=policy)
             mods.append(m)
-            meters.append(PeakMeter(m))
+            meters.append(PeakSavedBytes(m))
             stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
         schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
                                                loss_fn=_loss_fn)

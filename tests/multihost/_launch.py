@@ -163,15 +163,7 @@ def run_ranks(
                  json.dumps(dict(opts or {}))],
                 env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-    timed_out = _wait_all(hosts, procs, t0 + timeout)
-    return Outcome(
-        reports=_collect(out_dir, world),
-        returncodes={n: p.returncode for n, p in procs.items()},
-        logs={n: p.read_text(errors="replace") for n, p in logs.items()},
-        seconds=time.monotonic() - t0,
-        timed_out=timed_out,
-        world_size=world,
-    )
+    return _outcome(hosts, procs, logs, out_dir, world, t0, timeout)
 
 
 def _is_host(hosts: SimHosts, host: Host, endpoint: str) -> list[str]:
@@ -226,6 +218,11 @@ def run_torchrun(
             procs[name] = hosts.popen(
                 host, argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
             )
+    return _outcome(hosts, procs, logs, out_dir, world, t0, timeout)
+
+
+def _outcome(hosts, procs, logs, out_dir, world: int, t0: float, timeout: float) -> Outcome:
+    """Wait for every process (bounded), then what they reported."""
     timed_out = _wait_all(hosts, procs, t0 + timeout)
     return Outcome(
         reports=_collect(out_dir, world),
