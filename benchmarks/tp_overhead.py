@@ -7,9 +7,12 @@ issued on replay and reports at backward's end. The 2-rank ``benchmarks.dist`` r
 cannot resolve a 5% target on a shared 2-core box (their intervals are 8-13
 points wide). This script runs the same model and layout (the reference GPT, dim
 128, 4 blocks, seq 64, batch 4, the reference TP plan on 2 gloo ranks it starts
-itself), three variants interleaved over many iterations in a rotating order (no
+itself), four variants interleaved over many iterations in a rotating order (no
 checkpointing, ``torch.utils.checkpoint`` per block, remat_dist per block with
-``collectives="replay"``), and reports per step:
+``collectives="replay"``, and ``torch.utils.checkpoint`` with two plain gloo
+``all_reduce`` of 6 int64 per step where remat_dist runs its two rounds: the
+control that says what two small gloo round trips cost this step on torch's own
+API), and reports per step:
 
 * ``cpu``: the CPU time of both ranks together (what the checking costs, without
   the peers' jitter: a rank waiting on gloo sleeps);
@@ -39,7 +42,12 @@ from typing import Any
 
 from benchmarks._torchrun import child_env
 
-VARIANTS = ("none", "torch.utils.checkpoint", "remat replay")
+VARIANTS = ("none", "torch.utils.checkpoint", "remat replay", "torch + 2 gloo rounds")
+ROUNDS = "torch + 2 gloo rounds"
+"""``torch.utils.checkpoint`` plus what remat_dist's two rounds would be on torch's
+own API: a ``dist.all_reduce`` (MAX) of 6 int64 on a gloo group of the same
+ranks when backward starts (a hook on the loss) and one after it: what two
+small gloo collectives cost this step, the control for remat_dist's rounds."""
 
 
 def _rank_main(out_path: str, iters: int) -> None:
@@ -67,10 +75,24 @@ def _rank_main(out_path: str, iters: int) -> None:
         model = GPT(config)
         if variant == "remat replay":
             remat.apply_remat(model, blocks=Block, collectives="replay")
-        elif variant == "torch.utils.checkpoint":
+        elif variant in ("torch.utils.checkpoint", ROUNDS):
             _torch_checkpoint_blocks(model, tuc)
         remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
         return model
+
+    rounds_group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    words = torch.zeros(6, dtype=torch.int64)
+
+    def gloo_round() -> None:
+        dist.all_reduce(words, op=dist.ReduceOp.MAX, group=rounds_group)
+
+    def step(v: str) -> None:
+        loss = models[v].loss(tokens, targets)
+        if v == ROUNDS:
+            loss.register_hook(lambda g: (gloo_round(), g)[1])
+        loss.backward()
+        if v == ROUNDS:
+            gloo_round()
 
     try:
         models = {v: build(v) for v in VARIANTS}
@@ -83,7 +105,7 @@ def _rank_main(out_path: str, iters: int) -> None:
                 model = models[v]
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
-                model.loss(tokens, targets).backward()
+                step(v)
                 elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
                 model.zero_grad(set_to_none=True)
                 if it >= 20:
@@ -143,7 +165,7 @@ def main() -> None:
 
     raw = _launch(args.iters)
     ranks = raw["ranks"]
-    none, base, mine = VARIANTS
+    none, base, mine, control = VARIANTS
     per_step = {
         # both ranks' CPU time per iteration; the slower rank's wall time
         "cpu": {v: [sum(r["cpu"][v][i] for r in ranks) for i in range(args.iters)]
@@ -161,7 +183,7 @@ def main() -> None:
     print(
         f"{'measure':8s} {'none ms':>8s} {'torch ms':>9s} {'remat ms':>9s}"
         f" {'remat x torch [95%]':>26s} {'torch x none [95%]':>26s}"
-        f" {'remat x none [95%]':>26s}"
+        f" {'remat x none [95%]':>26s} {'torch+2 rounds x torch':>26s}"
     )
     for measure, series in per_step.items():
         row = out["rows"][measure] = _ratio_row(series[mine], series[base])
@@ -172,6 +194,10 @@ def main() -> None:
             ratio = {"median": statistics.median(ratios), "ci95": _median_ci95(ratios)}
             out["x_none"][measure][v] = ratio
             cells.append((ratio["median"], ratio["ci95"]))
+        ratios = [a / b for a, b in zip(series[control], series[base])]
+        out["rows"][measure]["control_x_torch"] = statistics.median(ratios)
+        out["rows"][measure]["control_x_torch_ci95"] = _median_ci95(ratios)
+        cells.append((statistics.median(ratios), _median_ci95(ratios)))
         print(
             f"{measure:8s} {out['x_none'][measure]['none_ms']:8.2f} "
             f"{row['torch_ms']:9.2f} {row['remat_ms']:9.2f}"

@@ -5,7 +5,8 @@ At each rank count (``--ranks``, default 1 2 4 8: processes on this machine unde
 torchrun, gloo over loopback) three designs run the agreement's round (6 int64,
 element-wise max; ``benchmarks._transport_rank`` says what each runs):
 
-* (a) ``stake group``: ``StakeGroup.reduce_max``, what the library issues;
+* (a) ``stake group``: ``StakeGroup.reduce_max``, what the library issues
+  (recursive doubling on gloo's ``send``/``recv``);
 * (b) ``plain gloo``: ``dist.all_reduce`` on ``dist.new_group(ranks,
   backend="gloo")``: torch's own API, the floor (a) is measured against;
 * (c) ``old side channel``: the hand-written socket layer the stake groups
@@ -25,8 +26,9 @@ the table) takes what one *hop* costs from the 1- and 2-rank figures, where each
 rank has a core: gloo's all_reduce of a CPU tensor is its ring algorithm (torch
 2.13's ``ProcessGroupGloo`` calls ``gloo::allreduce`` with no algorithm set, which
 runs ``ring``: a reduce-scatter then an all-gather, each ``n - 1`` dependent
-hops, so ``2 (n - 1)`` in all); the old side channel is recursive doubling
-(``log2 n`` exchanges, two more where ``n`` is no power of two). A round among
+hops, so ``2 (n - 1)`` in all); the stake group and the old side channel are
+recursive doubling (``log2 n`` exchanges, two more where ``n`` is no power of
+two). A round among
 ``n`` ranks with a core each is then ``fixed + hops(n) * hop``, ``fixed`` being
 the 1-rank figure (no hop: the call's own cost). The 16,384-rank rows apply it:
 stakes share nothing (no server, no link), so a stake of ``TP`` ranks costs its
@@ -101,7 +103,7 @@ def hops(design: str, n: int) -> int:
     """Dependent one-way hops of one round among ``n`` ranks (see the docstring)."""
     if n < 2:
         return 0
-    if design == OLD:
+    if design in (OLD, STAKE):
         p = 1 << (n.bit_length() - 1)
         return int(math.log2(p)) + (2 if n != p else 0)
     return 2 * (n - 1)
@@ -250,7 +252,7 @@ def format_transport(result: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append(
         "\nmodel, a core per rank: round(n) = fixed + hops(n) x hop; gloo's ring "
-        "2(n-1) hops, the side channel's recursive doubling log2(n)"
+        "2(n-1) hops; the stake group's and the side channel's recursive doubling log2(n)"
     )
     for d in m["hop_ms"]:
         lines.append(f"  {d:<17} fixed {m['fixed_ms'][d]:.3f} ms, hop {m['hop_ms'][d]:.3f} ms")

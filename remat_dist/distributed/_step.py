@@ -24,7 +24,7 @@ one micro-batch of a pipeline schedule)::
 
 Nothing at stake (FSDP2 or DDP with checkpoints inside the units): no agreement,
 report, operation or store request. The rounds run on a gloo group per stake, made
-by the stake's ranks only (``_stake_group``: one ``all_reduce`` per round); the
+by the stake's ranks only (``_stake_group``: ``log2(n)`` point-to-point exchanges per round); the
 c10d store sees the group's set-up and slow or failed rounds only. Because the
 pending plan is keyed by stake and drained by the first graph task that needs it,
 several graphs alive at once (pipeline schedules, gradient accumulation) each agree
@@ -150,7 +150,9 @@ class StepStats:
     agreements: int = 0
     reports: int = 0
     operations: int = 0
-    """gloo operations this rank issued on its stakes' groups (one per round)."""
+    """Operations this rank ran on its stakes' groups: one per round (a max by
+    ``log2(n)`` send/recv exchanges); explaining a mismatch adds two (a max and an
+    ``all_gather``)."""
     store_requests: int = 0
     """Requests to the c10d store: group set-up and slow or failed rounds only."""
     groups: int = 0
