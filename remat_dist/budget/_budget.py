@@ -33,6 +33,11 @@ class MemoryBudget:
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
 
+    One object is one budget for the rank: given to several models on a rank
+    (the stage modules of an interleaved pipeline schedule), they plan jointly,
+    at the end of the last one's profiling step, so that their peaks together
+    fit ``bytes``; separate objects, even equal ones, are separate budgets.
+
     Raises :class:`RematUsageError` for a byte count it cannot read, a negative
     one or one that is not a whole number of bytes, and for regions that are not
     distinct non-empty strings; ``apply_remat`` raises for regions a block does not

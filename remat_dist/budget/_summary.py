@@ -19,6 +19,10 @@ Shape (JSON-able)::
                     "predicted_peak_bytes": int | None, "phase": str}],
     }]}
 
+Models dropped by the caller but kept by reference cycles (a pipeline stage and
+its schedule) would still count: when a budget is in use, a garbage collection
+runs first (a diagnostic's cost, once per report; nothing without a budget).
+
 Reading it opens the next window of each budget's step meter (the peak starts
 again from what is alive now), so gathered after every step the report shows
 each step's peak.
@@ -26,6 +30,7 @@ each step's peak.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from remat_dist.budget._planner import BudgetPhase, live_budgets, stage_name
@@ -34,12 +39,19 @@ __all__ = ["rank_summary"]
 
 
 def rank_summary() -> dict[str, Any] | None:
-    """Every budget with a model on this rank (None: none), see the module doc."""
+    """Every budget in use on this rank (None: none), see the module doc; a
+    model whose planner failed is left out (it raises at every forward)."""
+    if not live_budgets():
+        return None
+    gc.collect()  # models in dropped reference cycles leave their budgets
     budgets = []
     for shared in live_budgets():
+        members = [m for m in shared.members if m.phase is not BudgetPhase.FAILED]
+        if not members:
+            continue  # a failed planner raises at every forward: not a budget in use
         models = []
         predicted = 0
-        for state in shared.members:
+        for state in members:
             plan = state.plan if state.phase in (BudgetPhase.VERIFY, BudgetPhase.PLANNED) else None
             models.append({
                 "name": stage_name(state),
@@ -61,4 +73,4 @@ def rank_summary() -> dict[str, Any] | None:
             "predicted_peak_bytes": predicted,
             "models": models,
         })
-    return {"budgets": budgets} if budgets else None
+    return {"budgets": budgets} if budgets else None  # none in use

@@ -28,11 +28,10 @@ from remat_dist.testing import DistContext, PeakSavedBytes, distributed
 
 pytest.importorskip("torch.distributed.pipelining")
 
+from remat_dist.models import make_batch  # noqa: E402  (isort: after the skip)
 from tests.budget.test_budget import _Blk  # noqa: E402
 from tests.budget.test_budget_pipeline import _build  # noqa: E402
 from tests.distributed.test_pipeline import BATCH, CONFIG, MICRO_BATCHES, _loss_fn  # noqa: E402
-
-from remat_dist.models import make_batch  # noqa: E402  (isort: after the skip)
 
 
 def _pipeline(policy, pp, stage: int, steps: int):
@@ -88,7 +87,7 @@ def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
         assert report is not None and report.budget is not None
         got = report.budget
         step_peaks = [everyone[r][0][step] for r in range(2)]
-        assert [r.peak_bytes for r in got.ranks] == step_peaks, (step, step_peaks)
+        assert [r.peak_bytes for r in got.ranks] == step_peaks, (step, step_peaks, got)
         assert all(p <= budget for p in step_peaks)
         assert got.peaks is not None
         assert got.peaks.imbalance == max(step_peaks) / statistics.mean(step_peaks)
