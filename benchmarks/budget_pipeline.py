@@ -11,6 +11,11 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
   plan's recompute time per forward x micro-batches);
 * ``step_ms``: the median wall time of a schedule step (the slower rank's).
 
+``ScheduleInterleaved1F1B`` runs 4 virtual stages, 2 per rank (half of
+``--layers`` blocks each), and compares ``shared`` (one ``MemoryBudget`` object
+per rank given to both of its stage modules: one budget for the rank, planned
+jointly) with ``split`` (two objects of half the budget each).
+
 Variants: ``none`` (no checkpoint), ``full`` (full recompute), ``per-stage``
 (``MemoryBudget(bytes=B)`` on each stage: each plans for the forwards its schedule
 keeps alive) and ``uniform`` (the one plan, the same decision for the i-th block
@@ -91,6 +96,88 @@ def _run(args, rank, schedule_name, policy, config):
     return max(peaks[1:] or peaks), statistics.median(times), module
 
 
+def _run_interleaved(args, rank, policies, config):
+    """ScheduleInterleaved1F1B: virtual stages ``rank`` and ``rank + 2`` of 4 on
+    this rank (half of ``--layers`` blocks each), ``policies[k]`` on the k-th
+    (the same object twice: one budget for the rank). The rank's peak (both
+    modules counted together), median step time, the two modules."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as sch
+
+    per = max(1, args.layers // 2)
+    mods, stages = [], []
+    for k in range(2):
+        s = rank + 2 * k
+        torch.manual_seed(0)
+        m = GPTStage(GPT(config), list(range(s * per, (s + 1) * per)), first=s == 0, last=s == 3)
+        if policies[k] is not None:
+            remat.apply_remat(m, blocks=Block, policy=policies[k])
+        mods.append(m)
+        stages.append(PipelineStage(m, s, 4, torch.device("cpu")))
+    meter = PeakSavedBytes(*mods)
+    schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=args.micro, loss_fn=_loss)
+    tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
+    times, peaks = [], []
+    for step in range(args.warmup + args.iters):
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        meter.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets, losses=[])
+        dist.barrier()
+        if step >= args.warmup or step == 0:
+            peaks.append(meter.peak)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return max(peaks[1:] or peaks), statistics.median(times), mods
+
+
+def _interleaved_rows(args, rank, config):
+    """none, full, and per budget: ``shared`` (one MemoryBudget object per rank
+    for both of its virtual stages, planned jointly) against ``split`` (two
+    objects of half the budget each: each stage module its own share)."""
+    rows = []
+    name = "ScheduleInterleaved1F1B"
+    peak_none, t_none, _ = _run_interleaved(args, rank, (None, None), config)
+    peak_full, t_full, _ = _run_interleaved(args, rank, ("full", "full"), config)
+    nones, fulls = all_gather_objects(peak_none), all_gather_objects(peak_full)
+    for variant, peaks, step in (("none", nones, t_none), ("full", fulls, t_full)):
+        rows.append({"schedule": name, "variant": variant, "budget": None,
+                     "peak_per_rank": peaks, "step_ms": max(all_gather_objects(step)) * 1e3,
+                     "recompute_ms": None, "decisions": None})
+    lo, hi = max(fulls), max(nones)
+    for frac in args.fractions:
+        budget = int(lo + frac * (hi - lo))
+        shared = remat.MemoryBudget(bytes=budget)
+        halves = (remat.MemoryBudget(bytes=budget // 2), remat.MemoryBudget(bytes=budget // 2))
+        for variant, policies in (("shared", (shared, shared)), ("split", halves)):
+            try:
+                peak, step, mods = _run_interleaved(args, rank, policies, config)
+            except Exception as e:  # a half too small for its stage
+                err = type(e).__name__
+                all_gather_objects(err)
+                rows.append({"schedule": name, "variant": variant, "budget": budget,
+                             "fraction": frac, "infeasible": True})
+                continue
+            plans = [remat.current_plan(m) for m in mods]
+            recompute = args.micro * sum(p.predicted_time_s for p in plans)
+            rows.append({
+                "schedule": name, "variant": variant, "budget": budget, "fraction": frac,
+                "peak_per_rank": all_gather_objects(peak),
+                "step_ms": max(all_gather_objects(step)) * 1e3,
+                "recompute_ms": sum(all_gather_objects(recompute)) * 1e3,
+                "decisions": all_gather_objects(
+                    [d for p in plans for d in p.decisions().values()]
+                ),
+                "bound_per_rank": all_gather_objects(sum(p.predicted_peak_bytes for p in plans)),
+            })
+    return rows
+
+
 def _uniform(tables, budget):
     """The one decision vector (by block position) of least summed recompute time
     whose predicted peak fits ``budget`` on every stage; None if none does."""
@@ -128,6 +215,9 @@ def _worker(rank, args, store_path, out_path):
                        n_layers=2 * args.layers)
     rows = []
     for schedule_name in args.schedules:
+        if schedule_name == "ScheduleInterleaved1F1B":
+            rows.extend(_interleaved_rows(args, rank, config))
+            continue
         peak_none, t_none, _ = _run(args, rank, schedule_name, None, config)
         peak_full, t_full, _ = _run(args, rank, schedule_name, "full", config)
         nones = all_gather_objects(peak_none)
@@ -197,8 +287,10 @@ def format_table(result) -> str:
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if r.get("infeasible"):
-            lines.append(f"{r['schedule']:<14} {r['variant']:<10} {r['budget'] / 2**10:>8.0f}Ki"
-                         "  (no single plan fits every stage)")
+            why = ("(a half of the budget is below a stage's full recompute)"
+                   if r["variant"] == "split" else "(no single plan fits every stage)")
+            lines.append(f"{r['schedule'][:14]:<14} {r['variant']:<10} "
+                         f"{r['budget'] / 2**10:>8.0f}Ki  {why}")
             continue
         budget = "" if r["budget"] is None else f"{r['budget'] / 2**10:.0f}Ki"
         rec = "" if r["recompute_ms"] is None else f"{r['recompute_ms']:.2f}"
@@ -207,7 +299,7 @@ def format_table(result) -> str:
             dec = " | ".join(",".join(d.replace("save ", "s:") for d in ds) for ds in r["decisions"])
         p0, p1 = (p / 2**10 for p in r["peak_per_rank"])
         lines.append(
-            f"{r['schedule']:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
+            f"{r['schedule'][:14]:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
             f"{r['imbalance']:>8.2f} {rec:>9} {r['step_ms']:>8.1f}  {dec}"
         )
     return "\n".join(lines)
@@ -223,7 +315,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--schedules", nargs="+", default=["Schedule1F1B", "ScheduleGPipe"])
+    parser.add_argument("--schedules", nargs="+",
+                        default=["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,7 @@ from remat_dist._errors import (
     ReplayValueMismatchError,
 )
 from remat_dist.budget import BlockPlan, BudgetPlan, MemoryBudget, current_plan
+from remat_dist.budget import rank_summary as _budget_rank_summary
 from remat_dist.core import (
     CollectiveMode,
     RecomputeStateHook,
@@ -72,6 +73,7 @@ from remat_dist.report import (
     saved_tensors_summary,
     trace_scope,
 )
+from remat_dist.report import add_rank_section as _add_rank_section
 from remat_dist.shard import TensorParallelPlan, reference_tp_plan, shard_model
 from remat_dist.wrap import (
     BlockRemat,
@@ -85,6 +87,10 @@ from remat_dist.wrap import (
 # recomputing) through the wrapping layer's model-adapter seam; the adapter imports
 # transformers lazily, so this works without it installed.
 register_model_adapter(_transformers_adapter)
+
+# the cross-rank report shows each rank's memory budgets (peak, plans) through
+# the report's rank-section seam: the report layer may not import the budget's
+_add_rank_section("budget", _budget_rank_summary)
 
 __version__ = "0.1.0"
 

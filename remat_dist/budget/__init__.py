@@ -19,5 +19,6 @@ from remat_dist.budget._planner import (
     current_plan as current_plan,  # published at remat_dist
 )
 from remat_dist.budget._profile import DEFAULT_REGION_NAMES, parse_bytes
+from remat_dist.budget._summary import rank_summary
 
-__all__ = ["DEFAULT_REGION_NAMES", "BudgetPhase", "parse_bytes"]
+__all__ = ["DEFAULT_REGION_NAMES", "BudgetPhase", "parse_bytes", "rank_summary"]

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from remat_dist._errors import RematUsageError
-from remat_dist.budget._planner import prepare
+from remat_dist.budget._planner import RankShare, prepare
 from remat_dist.budget._profile import parse_bytes
 from remat_dist.wrap import BlockInstaller
 
@@ -32,6 +32,11 @@ class MemoryBudget:
     see ``docs/memory_budget.md``)::
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
+
+    One object is one budget for the rank: given to several models on a rank
+    (the stage modules of an interleaved pipeline schedule), they plan jointly,
+    at the end of the last one's profiling step, so that their peaks together
+    fit ``bytes``; separate objects, even equal ones, are separate budgets.
 
     Raises :class:`RematUsageError` for a byte count it cannot read, a negative
     one or one that is not a whole number of bytes, and for regions that are not
@@ -57,6 +62,11 @@ class MemoryBudget:
     repeats: int = 3
     """Timed forwards per block in the profiling step; the minimum is kept (the
     least noisy estimate on a busy machine)."""
+    measure_peak: bool = False
+    """Follow this rank's activation bytes through every step once the plan
+    runs, for the cross-rank report (``gather_saved_tensors_report`` shows the
+    peak since its previous call). Costs one Python pack hook call per saved
+    tensor of every forward; off, the budget costs nothing per step."""
 
     def __post_init__(self) -> None:
         try:
@@ -91,11 +101,22 @@ class MemoryBudget:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
             )
+        if not isinstance(self.measure_peak, bool):
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(measure_peak={self.measure_peak!r}): must be "
+                "True or False."
+            )
+        # one object is one budget for the rank: the models given this object
+        # plan together (see RankShare); not a field, so equal budgets stay equal
+        object.__setattr__(self, "_share", RankShare())
 
     # -- the planned-policy seam (remat_dist.wrap._planned)
     def with_regions(self, regions: Sequence[str]) -> MemoryBudget:
-        """This budget with ``regions`` as the save-region candidates."""
-        return dataclasses.replace(self, regions=tuple(regions))
+        """This budget with ``regions`` as the save-region candidates: still the
+        same budget (the models given either object plan together)."""
+        new = dataclasses.replace(self, regions=tuple(regions))
+        object.__setattr__(new, "_share", self._share)  # type: ignore[attr-defined]
+        return new
 
     def planner(self, model: nn.Module, installer: BlockInstaller) -> Callable[[], Any]:
         """Check the regions against the blocks (raising before anything changes);

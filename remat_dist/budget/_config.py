@@ -56,6 +56,11 @@ class BudgetPlan:
             should keep on the rank that needs most, at or under ``budget``.
         ranks: the global ranks whose measurements were taken (this model's
             tensor-parallel / FSDP2 ranks; ``(0,)`` without a process group).
+        shared_by: how many models on this rank share the ``MemoryBudget``
+            object (and plan together); 1 for a budget of its own.
+        rank_peak_bytes: what the joint plan bounds on this rank, the sum over
+            the models sharing the budget of their ``predicted_peak_bytes``
+            (equal to it for a budget of its own), at or under ``budget``.
     """
 
     budget: int
@@ -68,6 +73,8 @@ class BudgetPlan:
     in_flight: int = 1
     predicted_peak_bytes: int = 0
     ranks: tuple[int, ...] = (0,)
+    shared_by: int = 1
+    rank_peak_bytes: int = 0
 
     def decisions(self) -> dict[str, str]:
         """``{block name: decision}``."""
@@ -83,6 +90,11 @@ class BudgetPlan:
             f"{self.predicted_time_s * 1e3:.2f} ms per forward, over "
             f"{self.world_size} rank(s) {list(self.ranks)}"
         )
+        if self.shared_by > 1:
+            head += (
+                f"; the budget is shared by {self.shared_by} models on this rank, "
+                f"predicted rank peak {human(self.rank_peak_bytes)}"
+            )
         rows = [
             f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
             for b in self.blocks

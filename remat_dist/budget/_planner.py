@@ -66,6 +66,7 @@ import contextlib
 import enum
 import functools
 import hashlib
+import itertools
 import json
 import sys
 import weakref
@@ -81,6 +82,8 @@ from remat_dist._logging import get_logger
 from remat_dist._torch._autograd import current_graph_task_id
 from remat_dist.budget._backward import at_end_of_backward, input_shapes, tensors_in
 from remat_dist.budget._config import BlockPlan, BudgetPlan
+from remat_dist.budget._joint import ModelTable, solve_jointly
+from remat_dist.budget._meter import StepMeter
 from remat_dist.budget._profile import (
     Candidate,
     Counter,
@@ -89,7 +92,6 @@ from remat_dist.budget._profile import (
     param_keys,
     profile_block,
 )
-from remat_dist.budget._solver import solve
 from remat_dist.distributed import all_gather_objects, dist_ready
 from remat_dist.distributed._intercept import _bypass
 from remat_dist.wrap import BlockInstaller, planner_of
@@ -97,7 +99,7 @@ from remat_dist.wrap import BlockInstaller, planner_of
 if TYPE_CHECKING:
     from remat_dist.budget._budget import MemoryBudget
 
-__all__ = ["BudgetPhase", "current_plan", "prepare"]
+__all__ = ["BudgetPhase", "RankShare", "current_plan", "live_budgets", "prepare", "stage_name"]
 
 log = get_logger(__name__)
 
@@ -110,6 +112,10 @@ class BudgetPhase(enum.Enum):
     PROFILING = "profiling"
     """The profiling step runs (full recompute): its first forward runs each
     block's side passes; its forwards are followed until the step ends."""
+    WAIT_OTHERS = "wait for the others"
+    """Its profiling step has ended; other models sharing its ``MemoryBudget``
+    object on this rank have not ended theirs yet (they plan together, at the
+    end of the last one's step). Its forwards run full recompute meanwhile."""
     WAIT_FORWARD = "wait for forward"
     """Planned, about to be installed (a moment inside the step's end)."""
     VERIFY = "verify"
@@ -163,9 +169,15 @@ class _Planner:
     grad_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     groups: list[tuple[tuple[int, ...], Any]] = field(default_factory=list)
     """``(ranks, process group)`` that agree on the plan (:func:`_agreeing_groups`)."""
+    shared: _Shared | None = None
+    """The models sharing this planner's ``MemoryBudget`` object on this rank."""
+    metering: int = 0
+    """1 while a forward runs inside the shared step meter."""
+    model: Any = None
+    """A weak reference to the model (its parameters are not activations)."""
 
     def detach(self) -> None:
-        self.phase = BudgetPhase.REMOVED
+        self.phase = BudgetPhase.REMOVED  # leaves its _Shared's members
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -203,9 +215,76 @@ def prepare(
             model.register_forward_hook(functools.partial(_post_hook, state), always_call=True),
         ]
         installer.wrap_runs(functools.partial(_profiled, state))
+        state.model = weakref.ref(model)
+        state.shared = _shared_of(budget)
+        state.shared.add(state)
         return state
 
     return attach
+
+
+class RankShare:
+    """The slot a :class:`MemoryBudget` object carries for its :class:`_Shared`
+    (the models on this rank that share it). Copies made by ``with_regions`` keep
+    the slot (still one budget); ``copy.deepcopy`` and pickling give a new, empty
+    one (another object: another budget)."""
+
+    __slots__ = ("shared",)
+
+    def __init__(self) -> None:
+        self.shared: _Shared | None = None
+
+    def __deepcopy__(self, memo: Any) -> RankShare:
+        return RankShare()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RankShare, ())
+
+
+@dataclass(eq=False)
+class _Shared:
+    """The models sharing one ``MemoryBudget`` object on this rank: one budget for
+    all of them. They plan together when the last of them ends its profiling
+    step; with ``measure_peak=True`` one :class:`StepMeter` follows all their
+    forwards from then on."""
+
+    budget: MemoryBudget
+    refs: list[weakref.ref[_Planner]] = field(default_factory=list)
+    """The planners, weakly (a model dropped leaves), in ``apply_remat`` order."""
+    meter: StepMeter | None = None
+    order: int = field(default_factory=lambda: next(_ORDER))
+
+    @property
+    def members(self) -> list[_Planner]:
+        """The models' planners still attached, in ``apply_remat`` order."""
+        alive = [r() for r in self.refs]
+        return [p for p in alive if p is not None and p.phase is not BudgetPhase.REMOVED]
+
+    def add(self, state: _Planner) -> None:
+        self.refs.append(weakref.ref(state))
+
+
+_ORDER = itertools.count()
+
+
+_LIVE: weakref.WeakSet[_Shared] = weakref.WeakSet()
+"""Every budget in use on this rank (it empties itself; read by the report)."""
+
+
+def _shared_of(budget: MemoryBudget) -> _Shared:
+    slot = getattr(budget, "_share", None)
+    if slot is None:  # pragma: no cover - every MemoryBudget has one
+        slot = RankShare()
+        object.__setattr__(budget, "_share", slot)
+    if slot.shared is None:
+        slot.shared = _Shared(budget)
+        _LIVE.add(slot.shared)
+    return slot.shared
+
+
+def live_budgets() -> list[_Shared]:
+    """The budgets with a model on this rank, in the order they were applied."""
+    return sorted((s for s in list(_LIVE) if s.members), key=lambda s: s.order)
 
 
 def current_plan(model: nn.Module) -> BudgetPlan | None:
@@ -231,6 +310,8 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
     if state.phase is BudgetPhase.FAILED:
         assert state.error is not None
         raise type(state.error)(str(state.error))
+    if state.phase is BudgetPhase.WAIT_OTHERS:
+        return  # full recompute until the models sharing its budget have planned
     if state.phase is BudgetPhase.PROFILING:
         _settle(state)
         if _step_ended(state):
@@ -258,16 +339,27 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
             # before FSDP2 unshards (this hook runs first): its parameters are
             # DTensors on their mesh now, and may be plain tensors at the step's end
             _note_groups(state, model)
+    meter = state.shared.meter if state.shared is not None else None
+    if meter is not None and not state.metering and state.phase in _RUNS_THE_PLAN:
+        meter.enter()  # outside the counter below, which chains to it
+        state.metering = 1
     if state.profiling_now or state.phase is BudgetPhase.VERIFY:
         state.params = param_keys(model)
         state.counter = Counter(state.params, chain=True)
         state.counter.__enter__()
 
 
+_RUNS_THE_PLAN = (BudgetPhase.VERIFY, BudgetPhase.PLANNED)
+
+
 def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
     if counter is not None:
         counter.__exit__(None, None, None)
+    if state.metering:
+        state.metering = 0
+        assert state.shared is not None and state.shared.meter is not None
+        state.shared.meter.exit()
     if state.phase is BudgetPhase.VERIFY and counter is not None:
         state.go(BudgetPhase.PLANNED)
         _check_measured(state, counter.total, args)
@@ -394,19 +486,53 @@ def _drop_grad_hooks(state: _Planner) -> None:
 
 
 def _finish_step(state: _Planner) -> None:
-    """The profiling step has ended: plan (agreed among the ranks that run this
-    model alike), then install the plan. An error fails the planner and is raised
-    here (at the end of the step's backward, or in the next forward)."""
+    """This model's profiling step has ended. When every model sharing its
+    budget object on this rank has ended its own (a model alone: at once), plan
+    them together (each agreed among the ranks that run it alike), then install
+    every plan. An error fails every one of them and is raised here (at the end
+    of the last step's backward, or in the next forward); each raises it again
+    at its next grad-enabled forward."""
     _drop_grad_hooks(state)
     state.step = []
+    state.go(BudgetPhase.WAIT_OTHERS)
+    shared = state.shared
+    members = shared.members if shared is not None else [state]
+    failed = [m for m in members if m.phase is BudgetPhase.FAILED]
+    if failed:
+        error = RematUsageError(
+            f"remat_dist.MemoryBudget: {stage_name(failed[0])} shares this budget "
+            f"with {stage_name(state)} and its planner failed ({failed[0].error}); "
+            "the models sharing a budget plan together. Fix: the error above, or "
+            "give each model its own MemoryBudget object."
+        )
+        state.go(BudgetPhase.FAILED)
+        state.error = error
+        raise error
+    waiting = [m for m in members if m.phase is not BudgetPhase.WAIT_OTHERS]
+    if waiting:
+        log.info(
+            "MemoryBudget: %s ended its profiling step; the plan waits for %s, which "
+            "share(s) its budget on this rank", stage_name(state),
+            ", ".join(stage_name(m) for m in waiting),
+        )
+        return
     try:
-        _plan(state, state.outside)
+        _plan_shared(members)
     except (PlanMismatchError, RematUsageError) as e:
-        state.go(BudgetPhase.FAILED)  # later forwards raise it again
-        state.error = e
+        for m in members:
+            m.go(BudgetPhase.FAILED)  # later forwards raise it again
+            m.error = e
         raise
-    state.go(BudgetPhase.WAIT_FORWARD)
-    _install_plan(state)
+    for m in members:
+        m.go(BudgetPhase.WAIT_FORWARD)
+        _install_plan(m)
+    if shared is not None and shared.budget.measure_peak:
+        meter = StepMeter()
+        for m in members:
+            model = m.model() if m.model is not None else None
+            if model is not None:
+                meter.add_parameters(model)
+        shared.meter = meter
 
 
 def _check_measured(state: _Planner, total: int, args: Any) -> None:
@@ -478,11 +604,11 @@ def _profiled(state: _Planner, index: int, run: Any) -> Any:
 # -- planning ---------------------------------------------------------------------
 
 
-def _plan(state: _Planner, outside: int) -> None:
-    """Plan from this rank's table and those of the ranks that run this model
-    alike (:func:`_agreeing_groups`), never across pipeline stages: per block and
-    candidate the maxima over those ranks; the peak of a plan is its bytes per
-    forward times the most forwards alive at once in the profiling step."""
+def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, Any]]]:
+    """This model's share of the joint problem: this rank's table and those of
+    the ranks that run this model alike (:func:`_agreeing_groups`), never across
+    pipeline stages; per block and candidate the maxima over those ranks, and of
+    the bytes outside the blocks and of the forwards in flight."""
     labels = [[c.label for c in cands] for cands in state.candidates]
     me = _global_rank()
     mine = {
@@ -508,8 +634,6 @@ def _plan(state: _Planner, outside: int) -> None:
                 f"than this rank ({theirs['labels']} vs {labels}): the blocks or their "
                 "submodules differ across ranks. Fix: build the same model on every rank."
             )
-    outside_max = max(r["outside"] for r in ranks)
-    k = max(r["in_flight"] for r in ranks)
     costs = [
         [
             (max(int(r["table"][b][c][0]) for r in ranks),
@@ -518,72 +642,81 @@ def _plan(state: _Planner, outside: int) -> None:
         ]
         for b in range(len(labels))
     ]
-    budget = state.budget.bytes
-    smallest = k * (outside_max + sum(min(w for w, _ in block) for block in costs))
-    if budget < smallest:
+    who = ""
+    if len(ranks) > 1:
         per_rank = [
             r["in_flight"] * (r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"]))
             for r in ranks
         ]
         worst = max(range(len(ranks)), key=lambda i: per_rank[i])
-        who = (
-            f"rank {ranks[worst]['rank']} needs most: {per_rank[worst]:,} bytes, "
-            if len(ranks) > 1 else ""
-        )
-        least = [labels[b][min(range(len(blk)), key=lambda c: blk[c][0])]
-                 for b, blk in enumerate(costs)]
-        raise RematUsageError(
-            f"remat_dist.MemoryBudget: a budget of {budget:,} bytes ({human(budget)}) "
-            f"cannot be met on {_stage_name(state)}, with {k} forward(s) alive at once "
-            f"at its peak: its peak at full recompute, the smallest feasible budget is "
-            f"{smallest:,} bytes ({human(smallest)}), {_describe_least(least)} "
-            f"({who}{k} x {outside_max:,} bytes of it outside the blocks). The "
-            "gradients of this profiling step are right, but do not go on with this "
-            f"budget. Fix: MemoryBudget(bytes={smallest}) or more, a smaller batch per "
-            "rank (or micro-batch), or finer blocks."
-        )
-    everything = k * (outside_max + sum(block[-1][0] for block in costs))
-    if budget >= everything:
-        choice = [len(block) - 1 for block in costs]  # "none" is listed last
-    else:
-        scaled = [[(k * w, t) for w, t in block] for block in costs]
-        found = solve(scaled, budget - k * outside_max)
-        assert found is not None  # feasible: checked above
-        choice = found
-    blocks = []
-    for b, ((name, _), cands) in enumerate(zip(state.installer.blocks, state.candidates)):
-        cand = cands[choice[b]]
-        w, t = costs[b][choice[b]]
-        regions = None if cand.regions is None else {p: "save" for p in cand.regions}
-        blocks.append(BlockPlan(
-            name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
-            candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
-        ))
-    predicted = outside_max + sum(b.bytes for b in blocks)
-    plan = BudgetPlan(
-        budget=budget,
-        blocks=blocks,
-        outside_bytes=outside_max,
-        predicted_bytes=predicted,
-        predicted_time_s=sum(b.time_s for b in blocks),
-        world_size=len(ranks),
-        in_flight=k,
-        predicted_peak_bytes=k * predicted,
-        ranks=tuple(r["rank"] for r in ranks),
+        who = f"rank {ranks[worst]['rank']} needs most: {per_rank[worst]:,} bytes, "
+    table = ModelTable(
+        name=stage_name(state),
+        labels=labels,
+        costs=costs,
+        outside=max(r["outside"] for r in ranks),
+        in_flight=max(r["in_flight"] for r in ranks),
+        needs_most=who,
     )
-    digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
-    for group in groups:
-        with _bypass():
-            digests = all_gather_objects(digest, group=group)
-        if len(set(digests)) > 1:
-            raise PlanMismatchError(
-                "remat_dist.MemoryBudget: the ranks chose different plans from the "
-                f"same measurements (digests by rank: {digests}). This is a bug: "
-                "please report it with the REMAT_DIST_LOG=info output of every rank."
-            )
-    state.plan = plan
-    log.info("MemoryBudget plan for %s, applied from now on:\n%s",
-             _stage_name(state), plan.format())
+    return table, ranks
+
+
+def _plan_shared(states: list[_Planner]) -> None:
+    """Plan every model sharing one budget object on this rank together (one
+    model alone is a problem of one): each model's table agreed among its own
+    ranks, one knapsack over all their blocks (``_joint.solve_jointly``), then
+    each model's plan, its digest compared among its own ranks."""
+    budget = states[0].budget.bytes
+    made = [_table(state, state.outside) for state in states]
+    tables = [t for t, _ in made]
+    choices = solve_jointly(tables, budget)
+    joint = 0
+    plans = []
+    for state, (table, ranks), choice in zip(states, made, choices):
+        costs, k = table.costs, table.in_flight
+        blocks = []
+        for b, ((name, _), cands) in enumerate(zip(state.installer.blocks, state.candidates)):
+            cand = cands[choice[b]]
+            w, t = costs[b][choice[b]]
+            regions = None if cand.regions is None else {p: "save" for p in cand.regions}
+            blocks.append(BlockPlan(
+                name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
+                candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
+            ))
+        predicted = table.outside + sum(b.bytes for b in blocks)
+        joint += k * predicted
+        plans.append(BudgetPlan(
+            budget=budget,
+            blocks=blocks,
+            outside_bytes=table.outside,
+            predicted_bytes=predicted,
+            predicted_time_s=sum(b.time_s for b in blocks),
+            world_size=len(ranks),
+            in_flight=k,
+            predicted_peak_bytes=k * predicted,
+            ranks=tuple(r["rank"] for r in ranks),
+        ))
+    for state, plan in zip(states, plans):
+        plan.shared_by = len(states)
+        plan.rank_peak_bytes = joint
+        digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
+        for group in _agreeing_groups(state) if dist_ready() else []:
+            with _bypass():
+                digests = all_gather_objects(digest, group=group)
+            if len(set(digests)) > 1:
+                raise PlanMismatchError(
+                    "remat_dist.MemoryBudget: the ranks chose different plans from the "
+                    f"same measurements (digests by rank: {digests}). This is a bug: "
+                    "please report it with the REMAT_DIST_LOG=info output of every rank."
+                )
+    for state, plan in zip(states, plans):
+        state.plan = plan
+        shared = (
+            f" (one budget with {len(states) - 1} other model(s) on this rank, "
+            f"predicted rank peak {human(joint)})" if len(states) > 1 else ""
+        )
+        log.info("MemoryBudget plan for %s%s, applied from now on:\n%s",
+                 stage_name(state), shared, plan.format())
 
 
 def _global_rank() -> int:
@@ -592,7 +725,7 @@ def _global_rank() -> int:
     return dist.get_rank() if dist_ready() else 0
 
 
-def _stage_name(state: _Planner) -> str:
+def stage_name(state: _Planner) -> str:
     """The model (a pipeline stage) by its blocks: ``blocks 'layers.2'..'layers.3'``."""
     names = [name for name, _ in state.installer.blocks]
     if not names:
@@ -635,17 +768,6 @@ def _is_dtensor(t: Any) -> bool:
     except Exception:  # pragma: no cover
         return False
     return isinstance(t, DTensor)
-
-
-def _describe_least(labels: list[str]) -> str:
-    """The plan of least bytes in words (its decision per block)."""
-    if all(label == "full" for label in labels):
-        return "every block recomputed in full"
-    counts: dict[str, int] = {}
-    for label in labels:
-        counts[label] = counts.get(label, 0) + 1
-    parts = [f"{label!r} for {n} block{'s' if n > 1 else ''}" for label, n in counts.items()]
-    return "each block at its fewest bytes: " + ", ".join(parts)
 
 
 def _install_plan(state: _Planner) -> None:

@@ -14,7 +14,9 @@ Per process (torch_remat's call shapes):
   report at a CUDA out-of-memory, with allocation sites.
 
 Across ranks: :func:`gather_saved_tensors_report` gathers per-rank summaries into
-a :class:`CrossRankReport` (:func:`aggregate_summaries` is the pure part).
+a :class:`CrossRankReport` (:func:`aggregate_summaries` is the pure part); layers
+above add per-rank sections through :func:`add_rank_section` (the memory budget's
+becomes the report's :class:`BudgetReport`).
 
 Those are published at ``remat_dist``; ``__all__`` here lists the report's parts
 that only its builders and the side packages use.
@@ -27,13 +29,17 @@ from remat_dist.report._annotate import (
 from remat_dist.report._annotate import (
     memory_snapshot_annotate as memory_snapshot_annotate,
 )
-from remat_dist.report._cross_rank import CrossRankReport as CrossRankReport
 from remat_dist.report._cross_rank import (
+    BudgetReport,
+    RankBudget,
     RankTotals,
     RegionStats,
+    StagePlan,
     Stats,
+    add_rank_section,
     aggregate_summaries,
 )
+from remat_dist.report._cross_rank import CrossRankReport as CrossRankReport
 from remat_dist.report._cross_rank import (
     gather_saved_tensors_report as gather_saved_tensors_report,
 )
@@ -65,11 +71,15 @@ from remat_dist.report._trace import trace_scope as trace_scope
 # The names above imported "as" themselves are published at remat_dist.
 __all__ = [
     "Annotate",
+    "BudgetReport",
+    "RankBudget",
     "RankTotals",
     "RegionStats",
     "SavedTensorsReport",
+    "StagePlan",
     "Stats",
     "TraceNode",
+    "add_rank_section",
     "aggregate_summaries",
     "build_saved_tensors_report",
 ]

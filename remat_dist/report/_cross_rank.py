@@ -5,12 +5,19 @@ them to ``dst``, where :func:`aggregate_summaries` (a pure function, testable
 without processes) turns them into a :class:`CrossRankReport`: per region the
 bytes on every rank with min / median / max, the heaviest rank and the imbalance
 (max / mean), and the same for the per-rank totals.
+
+Rank sections: a layer above the report (which the report may not import) adds a
+part of its own to every rank's summary through :func:`add_rank_section`; the
+composition root wires the memory budget's (``remat_dist.budget._summary``), which
+the report reads as plain data into a :class:`BudgetReport`: per rank its stage
+models, their plans and forwards in flight, the budget and the measured peak,
+and over the ranks min / median / max of the peaks and their imbalance.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +25,11 @@ from remat_dist.distributed import all_gather_objects, dist_ready
 from remat_dist.report._format import compress_ints, compress_names, format_bytes, table
 
 __all__ = [
+    "BudgetReport",
     "CrossRankReport",
+    "RankBudget",
+    "StagePlan",
+    "add_rank_section",
     "RankTotals",
     "RegionStats",
     "Stats",
@@ -30,6 +41,19 @@ MAX_RANK_LINES = 8
 """Above this many distinct rank lines, the format shows the heaviest and lightest."""
 MAX_REGION_LINES = 12
 """Above this many region lines, the format shows the heaviest (by max bytes)."""
+
+
+_SECTIONS: dict[str, Callable[[], Any]] = {}
+"""Extra per-rank parts of the summary, by key (:func:`add_rank_section`)."""
+
+
+def add_rank_section(key: str, source: Callable[[], Any]) -> None:
+    """Add ``source()`` (JSON-able data, or None for nothing) to every rank's
+    summary under ``key`` at each :func:`gather_saved_tensors_report`. The seam
+    through which a layer above the report, which the report may not import,
+    shows its per-rank state (the composition root wires the memory budget's
+    under ``"budget"``). Adding a key again replaces its source."""
+    _SECTIONS[key] = source
 
 
 def _number(x: float) -> int | float:
@@ -138,6 +162,172 @@ class RegionStats:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One model (a pipeline stage module) under a memory budget on one rank.
+
+    Attributes:
+        name: the model by its blocks (``the model of blocks 'layers.0'..'layers.1'``).
+        blocks: its blocks' names.
+        in_flight: the most of its forwards alive at once in the profiling step,
+            the ``k`` its plan is made for (None: not planned yet).
+        decisions: ``(block, decision)`` per block (empty: not planned yet).
+        predicted_peak_bytes: ``k x`` its bytes per forward under the plan.
+    """
+
+    name: str
+    blocks: tuple[str, ...]
+    in_flight: int | None
+    decisions: tuple[tuple[str, str], ...]
+    predicted_peak_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "blocks": list(self.blocks),
+            "in_flight": self.in_flight,
+            "decisions": [list(d) for d in self.decisions] if self.decisions else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StagePlan:
+        k, pred = d.get("in_flight"), d.get("predicted_peak_bytes")
+        return cls(
+            name=str(d["name"]),
+            blocks=tuple(str(b) for b in d.get("blocks", ())),
+            in_flight=None if k is None else int(k),
+            decisions=tuple((str(b), str(c)) for b, c in d.get("decisions") or ()),
+            predicted_peak_bytes=None if pred is None else int(pred),
+        )
+
+
+@dataclass(frozen=True)
+class RankBudget:
+    """One rank under memory budgets: what it may keep, what its plans bound and
+    what it kept. A rank with several ``MemoryBudget`` objects (several budgets)
+    shows their sums; one object shared by its stage modules is one budget.
+
+    Attributes:
+        rank: the global rank.
+        budget_bytes: the budget.
+        peak_bytes: the most activation bytes alive at once on this rank since
+            the previous report, every forward of its models counted (None: not
+            measured: ``MemoryBudget(measure_peak=False)``, or not planned yet).
+        predicted_peak_bytes: what its plans bound (the sum over its models of
+            ``k x`` bytes per forward).
+        stages: its models, in ``apply_remat`` order.
+    """
+
+    rank: int
+    budget_bytes: int
+    peak_bytes: int | None
+    predicted_peak_bytes: int
+    stages: tuple[StagePlan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "budget_bytes": self.budget_bytes,
+            "peak_bytes": self.peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "stages": [st.to_dict() for st in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RankBudget:
+        peak = d.get("peak_bytes")
+        return cls(
+            rank=int(d["rank"]),
+            budget_bytes=int(d["budget_bytes"]),
+            peak_bytes=None if peak is None else int(peak),
+            predicted_peak_bytes=int(d.get("predicted_peak_bytes", 0)),
+            stages=tuple(StagePlan.from_dict(st) for st in d.get("stages", ())),
+        )
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """The memory budgets across ranks: per rank (sorted by rank) its
+    :class:`RankBudget`, and the statistics of the measured peaks (over the ranks
+    that measured one; None when none did)."""
+
+    ranks: tuple[RankBudget, ...]
+    peaks: Stats | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": [r.to_dict() for r in self.ranks],
+            "peaks": None if self.peaks is None else self.peaks.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BudgetReport:
+        peaks = d.get("peaks")
+        return cls(
+            tuple(RankBudget.from_dict(r) for r in d["ranks"]),
+            None if peaks is None else _stats_from(peaks),
+        )
+
+    @classmethod
+    def of(cls, sections: Sequence[tuple[int, Mapping[str, Any]]]) -> BudgetReport:
+        """From ``(rank, section)`` pairs, the ``"budget"`` sections of the ranks'
+        summaries (``remat_dist.budget._summary`` gives their shape)."""
+        ranks = []
+        for rank, section in sorted(sections, key=lambda x: x[0]):
+            budgets = list(section.get("budgets", ()))
+            peaks = [b.get("peak_bytes") for b in budgets]
+            ranks.append(RankBudget(
+                rank=rank,
+                budget_bytes=sum(int(b["budget"]) for b in budgets),
+                peak_bytes=None if any(p is None for p in peaks) or not peaks
+                else sum(int(p) for p in peaks),
+                predicted_peak_bytes=sum(int(b.get("predicted_peak_bytes", 0)) for b in budgets),
+                stages=tuple(StagePlan.from_dict(m) for b in budgets for m in b.get("models", ())),
+            ))
+        measured = [r for r in ranks if r.peak_bytes is not None]
+        peaks = (
+            Stats.of([r.peak_bytes for r in measured], [r.rank for r in measured])  # type: ignore[misc]
+            if measured else None
+        )
+        return cls(tuple(ranks), peaks)
+
+    def format(self) -> str:
+        """The peaks over the ranks, then per rank its peak against its budget and
+        the plan of each of its models."""
+        p = self.peaks
+        if p is None:
+            head = (
+                f"memory budget on {len(self.ranks)} rank(s): peaks not measured "
+                "(MemoryBudget(bytes=..., measure_peak=True) measures them)"
+            )
+        else:
+            head = (
+                f"memory budget, peak per rank since the previous report: max "
+                f"{format_bytes(p.max)} on rank {p.max_rank}, median {format_bytes(p.median)}, "
+                f"min {format_bytes(p.min)}, imbalance {p.imbalance:.2f} (max/mean)"
+            )
+        lines = [head]
+        for r in self.ranks:
+            if r.peak_bytes is None:
+                peak = "peak not measured"
+            else:
+                share = r.peak_bytes / r.budget_bytes * 100 if r.budget_bytes else 0.0
+                peak = f"peak {format_bytes(r.peak_bytes)} = {share:.0f}%"
+            mark = "  <- heaviest" if p is not None and r.rank == p.max_rank else ""
+            lines.append(
+                f"  rank {r.rank}: {peak} of budget {format_bytes(r.budget_bytes)}, plan "
+                f"bound {format_bytes(r.predicted_peak_bytes)}{mark}"
+            )
+            for st in r.stages:
+                if not st.decisions:
+                    lines.append(f"    {st.name}: not planned yet")
+                    continue
+                plan = ", ".join(f"{b} {d}" for b, d in st.decisions)
+                lines.append(f"    {st.name}, {st.in_flight} in flight: {plan}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class CrossRankReport:
     """Saved-for-backward bytes across ranks (see module doc).
 
@@ -146,21 +336,28 @@ class CrossRankReport:
         ranks: per-rank totals, sorted by rank.
         regions: per-region bytes on each rank, in forward order.
         totals: statistics of the per-rank ``total_bytes``.
+        budget: the memory budgets across ranks, when a rank has one (None
+            otherwise; see :class:`BudgetReport`).
     """
 
     world_size: int
     ranks: tuple[RankTotals, ...]
     regions: tuple[RegionStats, ...]
     totals: Stats
+    budget: BudgetReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; the keys are stable (added to, never renamed)."""
-        return {
+        """JSON-serialisable; the keys are stable (added to, never renamed);
+        ``"budget"`` is there only when a rank has a memory budget."""
+        out = {
             "world_size": self.world_size,
             "ranks": [r.to_dict() for r in self.ranks],
             "regions": [r.to_dict() for r in self.regions],
             "totals": self.totals.to_dict(),
         }
+        if self.budget is not None:
+            out["budget"] = self.budget.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CrossRankReport:
@@ -183,7 +380,11 @@ class CrossRankReport:
             )
             for r in d["regions"]
         )
-        return cls(int(d["world_size"]), ranks, regions, _stats_from(d["totals"]))
+        budget = d.get("budget")
+        return cls(
+            int(d["world_size"]), ranks, regions, _stats_from(d["totals"]),
+            None if budget is None else BudgetReport.from_dict(budget),
+        )
 
     # -- text ------------------------------------------------------------------------
     def format(self) -> str:
@@ -205,6 +406,8 @@ class CrossRankReport:
         if self.regions:
             lines += ["", "per region: bytes on each rank"]
             lines += self._region_lines()
+        if self.budget is not None:
+            lines += ["", self.budget.format()]
         return "\n".join(lines)
 
     def _rank_lines(self) -> list[str]:
@@ -324,7 +527,9 @@ def aggregate_summaries(summaries: Sequence[Mapping[str, Any]]) -> CrossRankRepo
 
     Each summary is a :func:`saved_tensors_summary` dict plus ``"rank"`` (missing:
     its position). Regions are matched by name; a region a rank does not have
-    counts 0 there. Region order: first appearance, scanning ranks in order.
+    counts 0 there. Region order: first appearance, scanning ranks in order. A
+    summary's ``"budget"`` section (:func:`add_rank_section`) makes the report's
+    :class:`BudgetReport`; a rank without one is left out of it.
     """
     items = sorted(
         ((int(s.get("rank", i)), s) for i, s in enumerate(summaries)),
@@ -360,7 +565,9 @@ def aggregate_summaries(summaries: Sequence[Mapping[str, Any]]) -> CrossRankRepo
         inputs = tuple(m.get(name, 0) for m in inputs_per_rank)
         regions.append(RegionStats(name, values, Stats.of(values, rank_ids), inputs))
     totals = Stats.of([r.total_bytes for r in ranks], rank_ids)
-    return CrossRankReport(len(ranks), ranks, tuple(regions), totals)
+    sections = [(r, s["budget"]) for r, s in items if s.get("budget") is not None]
+    budget = BudgetReport.of(sections) if sections else None
+    return CrossRankReport(len(ranks), ranks, tuple(regions), totals, budget)
 
 
 def gather_saved_tensors_report(
@@ -369,7 +576,10 @@ def gather_saved_tensors_report(
     """Gather every rank's saved-tensor summary to ``dst`` and aggregate it there.
 
     A collective: call it on every rank of ``group`` (default: the world) after
-    forward, with this rank's roots (its loss). ``dst`` is a global rank. Returns
+    forward, with this rank's roots (its loss), or after a step with none. Each
+    rank's summary gets the sections added with :func:`add_rank_section` (its
+    memory budgets: the peak since its previous call, the plans). ``dst`` is a
+    global rank. Returns
     the :class:`CrossRankReport` on ``dst`` and None elsewhere. Works on gloo and
     NCCL, without numpy (``remat_dist.distributed.all_gather_objects``). Without an
     initialised process group it reports this process alone.
@@ -379,6 +589,10 @@ def gather_saved_tensors_report(
     from remat_dist.report._saved import saved_tensors_summary
 
     summary = saved_tensors_summary(*roots)
+    for key, source in list(_SECTIONS.items()):
+        part = source()
+        if part is not None:
+            summary[key] = part
     if not dist_ready():
         summary["rank"] = 0
         return aggregate_summaries([summary])

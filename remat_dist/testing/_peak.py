@@ -29,25 +29,29 @@ class _Held:
 
 
 class PeakSavedBytes:
-    """Live and peak saved bytes of ``module``'s forwards' graphs.
+    """Live and peak saved bytes of the forwards' graphs of ``module`` (and of
+    ``more`` modules: the stage modules of one rank under an interleaved
+    pipeline schedule, counted together, the rank's peak).
 
-    An outermost saved-tensor hook is entered around each forward of ``module``
+    An outermost saved-tensor hook is entered around each forward of each module
     (before any hook the module's own forward pre-hooks push, which hand it every
     tensor) and follows each saved storage until autograd frees its last saved
     reference. ``total`` is what is alive now, ``peak`` the most since
     construction or :meth:`reset` (call it at a step's start for a per-step
     peak)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.params = {self._key(p) for p in module.parameters()}
+    def __init__(self, module: nn.Module, *more: nn.Module) -> None:
+        modules = (module, *more)
+        self.params = {self._key(p) for m in modules for p in m.parameters()}
         self.live: dict[Any, list[int]] = {}
         self.total = 0
         self.peak = 0
         self._hooks = saved_tensors_hooks(
             self._pack, lambda h: h.t if isinstance(h, _Held) else h
         )
-        module.register_forward_pre_hook(self._enter, prepend=True)
-        module.register_forward_hook(self._exit, always_call=True)
+        for m in modules:
+            m.register_forward_pre_hook(self._enter, prepend=True)
+            m.register_forward_hook(self._exit, always_call=True)
 
     def reset(self) -> None:
         """Start a new peak from what is alive now."""

@@ -199,57 +199,87 @@ def test_budget_below_full_recompute_names_the_stage(ctx: DistContext):
         assert runs[0][0] <= budget
 
 
-@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=120)
-def test_interleaved_1f1b_budget(ctx: DistContext):
-    """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages: no deadlock, bitwise;
-    each stage module plans for what the schedule kept alive on it and keeps its
-    own budget (two stage modules on a rank: each has its own MemoryBudget)."""
+def _interleaved(ctx: DistContext, policy, steps: int = 2):
+    """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages (stages r and r + 2 on
+    rank r, one block each), ``policy`` given to both stage modules of the rank
+    (one object: one budget for the rank). Per step: the rank's peak (both
+    modules' forwards counted together), the losses, the gradients."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
 
     pp = ctx.mesh.get_group()
+    mods, stages = [], []
+    for k in range(2):
+        s = ctx.rank + 2 * k
+        torch.manual_seed(0)
+        m = GPTStage(GPT(CONFIG), [s], first=s == 0, last=s == 3)
+        if policy is not None:
+            remat.apply_remat(m, blocks=Block, policy=policy)
+        mods.append(m)
+        stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
+    meter = PeakSavedBytes(*mods)  # the rank's peak
+    schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
+                                           loss_fn=_loss_fn)
+    out = []
+    for step in range(steps):
+        tokens, targets = make_batch(CONFIG, BATCH, seed=100 + step)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        meter.reset()
+        losses: list = []
+        if ctx.rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets, losses=losses)
+        grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
+                 for n, p in m.named_parameters()}
+        out.append((meter.peak, losses, grads))
+    return out, mods
 
-    def run(policy, steps=2):
-        mods, meters, stages = [], [], []
-        for k in range(2):
-            s = ctx.rank + 2 * k
-            torch.manual_seed(0)
-            m = GPTStage(GPT(CONFIG), [s], first=s == 0, last=s == 3)
-            if policy is not None:
-                remat.apply_remat(m, blocks=Block, policy=policy)
-            mods.append(m)
-            meters.append(PeakSavedBytes(m))
-            stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-        schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
-                                               loss_fn=_loss_fn)
-        out = []
-        for step in range(steps):
-            tokens, targets = make_batch(CONFIG, BATCH, seed=100 + step)
-            for m, meter in zip(mods, meters):
-                m.zero_grad(set_to_none=True)
-                meter.reset()
-            losses: list = []
-            if ctx.rank == 0:
-                schedule.step(tokens)
-            else:
-                schedule.step(target=targets, losses=losses)
-            grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
-                     for n, p in m.named_parameters()}
-            out.append(([mt.peak for mt in meters], losses, grads))
-        return out, mods
 
-    ref, _ = run(None)
-    full, _ = run("full", steps=1)
-    budgets = [(f + n) // 2 for f, n in zip(full[0][0], ref[0][0])]
-    budget = max(budgets)
-    runs, mods = run(remat.MemoryBudget(bytes=budget))
-    _bitwise(runs, ref)
-    for peaks, _, _ in runs:
-        assert all(p <= budget for p in peaks), (peaks, budget)
-    for m in mods:
-        plan = remat.current_plan(m)
-        assert plan is not None and plan.in_flight >= 1
-        assert plan.predicted_peak_bytes <= budget
+def _joint_costs(plans):
+    """The joint problem of the models sharing a budget, from their plans: per
+    block of every model its candidates' ``(k x bytes, seconds)``, and the
+    capacity left by the bytes outside the blocks."""
+    blocks = [(p.in_flight, b) for p in plans for b in p.blocks]
+    costs = [[(k * w, t) for w, t in b.candidates.values()] for k, b in blocks]
+    outside = sum(p.in_flight * p.outside_bytes for p in plans)
+    chosen = [list(b.candidates).index(b.decision) for _, b in blocks]
+    return costs, outside, chosen
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
+def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
+    """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages, one MemoryBudget
+    object per rank given to both of its stage modules: they plan jointly at the
+    end of the later one's profiling step. At two budgets between the joint
+    problem's smallest peak and its largest (the rank that needs most): no
+    deadlock; the rank's peak over every step (both modules' forwards counted
+    together) at or under the budget; losses and gradients bitwise those without
+    remat; the joint plan is the brute-force optimum over every candidate of both
+    modules' blocks; each module's plan says it shares the budget."""
+    ref, _ = _interleaved(ctx, None)
+    _, probe = _interleaved(ctx, remat.MemoryBudget(bytes="1GiB"), steps=1)
+    plans = [remat.current_plan(m) for m in probe]
+    costs, outside, _ = _joint_costs(plans)
+    lo = outside + sum(min(w for w, _ in block) for block in costs)
+    hi = outside + sum(block[-1][0] for block in costs)
+    lo, hi = max(ctx.all_gather_object(lo)), max(ctx.all_gather_object(hi))
+    assert lo < hi
+    for frac in (0.3, 0.7):
+        budget = int(lo + frac * (hi - lo))
+        runs, mods = _interleaved(ctx, remat.MemoryBudget(bytes=budget))
+        for step, (peak, _, _) in enumerate(runs):
+            assert peak <= budget, (ctx.rank, frac, step, peak, budget)
+        _bitwise(runs, ref)
+        plans = [remat.current_plan(m) for m in mods]
+        assert all(p is not None and p.shared_by == 2 for p in plans)
+        joint = sum(p.predicted_peak_bytes for p in plans)
+        assert all(p.rank_peak_bytes == joint <= budget for p in plans)
+        costs, outside, chosen = _joint_costs(plans)
+        best = brute_force(costs, budget - outside)
+        assert plan_cost(costs, chosen)[0] <= budget - outside
+        assert plan_cost(costs, chosen)[1] == plan_cost(costs, best)[1]
 
 
 def _mesh_run(mesh, schedule_name, policy, dim, steps=2):
