@@ -77,23 +77,8 @@ def _run(args, rank, schedule_name, policy, config):
     meter = PeakSavedBytes(module)
     pipe = PipelineStage(module, rank, 2, torch.device("cpu"))
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
-    tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
-    times, peaks = [], []
-    for step in range(args.warmup + args.iters):
-        module.zero_grad(set_to_none=True)
-        meter.reset()
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=[])
-        dist.barrier()
-        if step >= args.warmup or step == 0:
-            peaks.append(meter.peak)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return max(peaks[1:] or peaks), statistics.median(times), module
+    peak, step_s = _time_steps(args, rank, config, schedule, [module], meter)
+    return peak, step_s, module
 
 
 def _run_interleaved(args, rank, policies, config):
@@ -116,6 +101,14 @@ def _run_interleaved(args, rank, policies, config):
         stages.append(PipelineStage(m, s, 4, torch.device("cpu")))
     meter = PeakSavedBytes(*mods)
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=args.micro, loss_fn=_loss)
+    peak, step_s = _time_steps(args, rank, config, schedule, mods, meter)
+    return peak, step_s, mods
+
+
+def _time_steps(args, rank, config, schedule, mods, meter):
+    """Run ``--warmup`` then ``--iters`` schedule steps: the rank's peak over the
+    timed steps (the first step's where none is timed; the profiling step is left
+    out) and the median step time."""
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
     times, peaks = [], []
     for step in range(args.warmup + args.iters):
@@ -133,7 +126,7 @@ def _run_interleaved(args, rank, policies, config):
             peaks.append(meter.peak)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return max(peaks[1:] or peaks), statistics.median(times), mods
+    return max(peaks[1:] or peaks), statistics.median(times)
 
 
 def _interleaved_rows(args, rank, config):
