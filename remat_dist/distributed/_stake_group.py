@@ -57,7 +57,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from math import inf
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,7 +134,6 @@ class StakeGroup:
         self._pg: Any = None
         self._posted: list[str] = []
         self._store_lock = threading.Lock()
-        self._timeout = 0.0
         self.missed: RoundFailure | None = None
         """The abort of an earlier generation this rank never took part in (its
         ranks gave up on it before this rank came), where one is known."""
@@ -223,7 +222,7 @@ class StakeGroup:
         """Element-wise maximum of every member's ``values`` (int64, the same length
         everywhere), by recursive doubling on gloo's point-to-point operations."""
         mine = torch.tensor(values, dtype=torch.int64)
-        self._run(lambda pg, seq, end: self._exchange_max(pg, mine, seq, end), timeout)
+        self._run(lambda pg, rnd: self._exchange_max(pg, mine, rnd), timeout)
         return mine.tolist()
 
     def gather(self, payload: bytes, timeout: float) -> dict[int, bytes]:
@@ -236,7 +235,7 @@ class StakeGroup:
         outs = [torch.empty_like(mine) for _ in self.ranks]
         wait = timedelta(seconds=timeout)
         self._run(
-            lambda pg, seq, end: self._wait(pg.allgather(outs, mine, wait), seq, end),
+            lambda pg, rnd: self._wait(pg.allgather(outs, mine, wait), rnd),
             timeout,
         )
         got = {}
@@ -253,15 +252,14 @@ class StakeGroup:
         self.seq += 1
         self.rounds += 1
         t0 = time.monotonic()
-        self._timeout = timeout
         try:
-            op(self._group(timeout), seq, t0 + timeout)
+            op(self._group(timeout), _Round(seq, t0 + timeout, timeout))
         except BaseException:
             self._fail()
             raise
         self.last_round_s = time.monotonic() - t0
 
-    def _exchange_max(self, pg: Any, mine: torch.Tensor, seq: int, end: float) -> None:
+    def _exchange_max(self, pg: Any, mine: torch.Tensor, rnd: _Round) -> None:
         """``mine`` becomes the element-wise maximum over the members: members past
         the largest power of two ``p`` fold into member ``index - p`` and get the
         result back; the first ``p`` swap with the member ``index ^ d`` for
@@ -273,22 +271,22 @@ class StakeGroup:
         n, i = len(self.ranks), self.index
         p = 1 << (n.bit_length() - 1)
         got = torch.empty_like(mine)
-        _ARRIVALS.enter(self, seq)
+        _ARRIVALS.enter(self, rnd)
         try:
             if i >= p:
-                self._swap(pg, mine, None, i - p, 0, seq, end)
-                self._swap(pg, None, mine, i - p, 1, seq, end)
+                self._swap(pg, mine, None, i - p, 0, rnd)
+                self._swap(pg, None, mine, i - p, 1, rnd)
                 return
             if i + p < n:
-                self._swap(pg, None, got, i + p, 0, seq, end)
+                self._swap(pg, None, got, i + p, 0, rnd)
                 torch.maximum(mine, got, out=mine)
             d, tag = 1, 2
             while d < p:
-                self._swap(pg, mine, got, i ^ d, tag, seq, end)
+                self._swap(pg, mine, got, i ^ d, tag, rnd)
                 torch.maximum(mine, got, out=mine)
                 d, tag = d * 2, tag + 1
             if i + p < n:
-                self._swap(pg, mine, None, i + p, 1, seq, end)
+                self._swap(pg, mine, None, i + p, 1, rnd)
         finally:
             _ARRIVALS.leave(self)
 
@@ -299,25 +297,23 @@ class StakeGroup:
         into: torch.Tensor | None,
         peer: int,
         tag: int,
-        seq: int,
-        end: float,
+        rnd: _Round,
     ) -> None:
         """Send ``out`` to and/or receive ``into`` from member ``peer``, to the
         bound."""
         try:
             sent = pg.send([out], peer, tag) if out is not None else None
             if into is not None:
-                left = max(end - time.monotonic(), 0.001)
-                pg.recv([into], peer, tag).wait(timedelta(seconds=left))
+                pg.recv([into], peer, tag).wait(rnd.left())
             if sent is not None:
-                sent.wait(timedelta(seconds=max(end - time.monotonic(), 0.001)))
+                sent.wait(rnd.left())
         except RuntimeError as e:
-            raise self._gloo_failure(e, seq, self._timeout) from None
+            raise self._gloo_failure(e, rnd.seq, rnd.timeout) from None
 
-    def _wait(self, work: Any, seq: int, end: float) -> None:
+    def _wait(self, work: Any, rnd: _Round) -> None:
         """Wait for an operation of gloo's worker thread (``all_gather``): waits of
         ``every`` seconds, posting the arrival and reading the abort between them."""
-        timeout = self._timeout
+        seq, end, timeout = rnd
         every = _every(timeout)
         posted = False
         while True:
@@ -467,6 +463,19 @@ def current_generation(store: Any, base: str) -> int:
     return 0
 
 
+class _Round(NamedTuple):
+    """One operation of a round: its number, when its bound ends (monotonic) and
+    the bound."""
+
+    seq: int
+    end: float
+    timeout: float
+
+    def left(self) -> timedelta:
+        """What is left of the bound, for a gloo wait (at least 1 ms)."""
+        return timedelta(seconds=max(self.end - time.monotonic(), 0.001))
+
+
 def _every(timeout: float) -> float:
     """How long a rank waits in a round before it posts its arrival."""
     return min(timeout / 4, max(SLOW_S, timeout / 8))
@@ -490,10 +499,10 @@ class _ArrivalWatch:
         """When the thread wakes next (inf: it sleeps until a round comes)."""
         self._thread: threading.Thread | None = None
 
-    def enter(self, group: StakeGroup, seq: int) -> None:
-        due = time.monotonic() + _every(group._timeout)
+    def enter(self, group: StakeGroup, rnd: _Round) -> None:
+        due = time.monotonic() + _every(rnd.timeout)
         with self._lock:
-            self._waiting[id(group)] = (group, seq, due)
+            self._waiting[id(group)] = (group, rnd.seq, due)
             if due < self._next:  # the thread sleeps past this round's mark
                 self._next = due
                 self._wake.set()
