@@ -32,7 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from remat_dist._errors import CollectiveReplayError
+from remat_dist._errors import (
+    AgreementSetupError,
+    CollectiveReplayError,
+    PlanMismatchError,
+)
 from remat_dist._logging import get_logger
 from remat_dist._torch._checkpoint import early_stop_enabled
 from remat_dist.core import CheckpointRecord, RegionRecord, register_observer
@@ -374,6 +378,10 @@ class _LedgerObserver:
             observer = observer.verifier
         if observer is None or not state.stakes or is_comm_failure(error):
             # nothing at stake: no peer waits on this replay; raise as torch does
+            return False
+        if isinstance(error, (PlanMismatchError, AgreementSetupError)):
+            # the agreement posted at this replay's start failed, before its
+            # first collective, on every rank of the stake: all of them raise
             return False
         message = observer.fail(error)
         log.warning(

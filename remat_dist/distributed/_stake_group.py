@@ -218,12 +218,27 @@ class StakeGroup:
         return RoundFailure("setup", why)
 
     # -- rounds
+    def post_max(self, values: Sequence[int], timeout: float) -> PostedMax:
+        """Start a round that makes ``values`` (int64, the same length everywhere)
+        the element-wise maximum over the members: set the group up if this is
+        its first round, post the first exchange and return without waiting.
+        :meth:`PostedMax.finish` completes it. Where every member posts before
+        any finishes, the first exchange (the whole round at 2 ranks) travels
+        while the members compute."""
+        if self.broken:
+            raise RoundFailure("closed", "this group failed earlier")
+        seq = self.seq
+        self.seq += 1
+        self.rounds += 1
+        try:
+            return PostedMax(self, self._group(timeout), seq, values, timeout)
+        except BaseException:
+            self._fail()
+            raise
+
     def reduce_max(self, values: Sequence[int], timeout: float) -> list[int]:
-        """Element-wise maximum of every member's ``values`` (int64, the same length
-        everywhere), by recursive doubling on gloo's point-to-point operations."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        self._run(lambda pg, rnd: self._exchange_max(pg, mine, rnd), timeout)
-        return mine.tolist()
+        """:meth:`post_max` and its finish, at once."""
+        return self.post_max(values, timeout).finish()
 
     def gather(self, payload: bytes, timeout: float) -> dict[int, bytes]:
         """Every member's ``payload``, by global rank (the longest length, then the
@@ -233,19 +248,6 @@ class StakeGroup:
         mine = torch.zeros(n + 4, dtype=torch.uint8)
         mine[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in self.ranks]
-        wait = timedelta(seconds=timeout)
-        self._run(
-            lambda pg, rnd: self._wait(pg.allgather(outs, mine, wait), rnd),
-            timeout,
-        )
-        got = {}
-        for r, t in zip(self.ranks, outs, strict=True):
-            raw = t.numpy().tobytes()
-            got[r] = raw[4 : 4 + int.from_bytes(raw[:4], "big")]
-        return got
-
-    def _run(self, op: Any, timeout: float) -> None:
-        """One operation of a round, bounded; any failure spends the group."""
         if self.broken:
             raise RoundFailure("closed", "this group failed earlier")
         seq = self.seq
@@ -253,62 +255,39 @@ class StakeGroup:
         self.rounds += 1
         t0 = time.monotonic()
         try:
-            op(self._group(timeout), _Round(seq, t0 + timeout, timeout))
+            work = self._group(timeout).allgather(outs, mine, timedelta(seconds=timeout))
+            self._wait(work, _Round(seq, t0 + timeout, timeout))
         except BaseException:
             self._fail()
             raise
         self.last_round_s = time.monotonic() - t0
+        got = {}
+        for r, t in zip(self.ranks, outs, strict=True):
+            raw = t.numpy().tobytes()
+            got[r] = raw[4 : 4 + int.from_bytes(raw[:4], "big")]
+        return got
 
-    def _exchange_max(self, pg: Any, mine: torch.Tensor, rnd: _Round) -> None:
-        """``mine`` becomes the element-wise maximum over the members: members past
-        the largest power of two ``p`` fold into member ``index - p`` and get the
-        result back; the first ``p`` swap with the member ``index ^ d`` for
-        ``d = 1, 2, 4, ...``. ``log2(p)`` exchanges (plus two where the count is
-        not a power of two), each a ``send`` and a ``recv`` posted from this thread
-        (an ``all_reduce`` goes through gloo's worker thread and a ring of
-        ``2(n-1)`` hops). A ``recv`` is waited on once, to the bound (a shorter wait
-        would close gloo's pair): the arrival is posted by the watch thread."""
+    def exchanges(self) -> list[_Exchange]:
+        """This member's exchanges of a max round, by recursive doubling: members
+        past the largest power of two ``p`` fold into member ``index - p`` and get
+        the result back; the first ``p`` swap with member ``index ^ d`` for
+        ``d = 1, 2, 4, ...``. ``log2(p)`` exchanges, two more where the count is
+        not a power of two (gloo's ``all_reduce`` would be queued to its worker
+        thread and run a ring of ``2(n-1)`` hops)."""
         n, i = len(self.ranks), self.index
         p = 1 << (n.bit_length() - 1)
-        got = torch.empty_like(mine)
-        _ARRIVALS.enter(self, rnd)
-        try:
-            if i >= p:
-                self._swap(pg, mine, None, i - p, 0, rnd)
-                self._swap(pg, None, mine, i - p, 1, rnd)
-                return
-            if i + p < n:
-                self._swap(pg, None, got, i + p, 0, rnd)
-                torch.maximum(mine, got, out=mine)
-            d, tag = 1, 2
-            while d < p:
-                self._swap(pg, mine, got, i ^ d, tag, rnd)
-                torch.maximum(mine, got, out=mine)
-                d, tag = d * 2, tag + 1
-            if i + p < n:
-                self._swap(pg, mine, None, i + p, 1, rnd)
-        finally:
-            _ARRIVALS.leave(self)
-
-    def _swap(
-        self,
-        pg: Any,
-        out: torch.Tensor | None,
-        into: torch.Tensor | None,
-        peer: int,
-        tag: int,
-        rnd: _Round,
-    ) -> None:
-        """Send ``out`` to and/or receive ``into`` from member ``peer``, to the
-        bound."""
-        try:
-            sent = pg.send([out], peer, tag) if out is not None else None
-            if into is not None:
-                pg.recv([into], peer, tag).wait(rnd.left())
-            if sent is not None:
-                sent.wait(rnd.left())
-        except RuntimeError as e:
-            raise self._gloo_failure(e, rnd.seq, rnd.timeout) from None
+        if i >= p:
+            return [_Exchange(i - p, send=0, recv=1, combine=torch.Tensor.copy_)]
+        steps = []
+        if i + p < n:
+            steps.append(_Exchange(i + p, send=None, recv=0, combine=_maximum))
+        d, tag = 1, 2
+        while d < p:
+            steps.append(_Exchange(i ^ d, send=tag, recv=tag, combine=_maximum))
+            d, tag = d * 2, tag + 1
+        if i + p < n:
+            steps.append(_Exchange(i + p, send=1, recv=None, combine=None))
+        return steps
 
     def _wait(self, work: Any, rnd: _Round) -> None:
         """Wait for an operation of gloo's worker thread (``all_gather``): waits of
@@ -340,6 +319,13 @@ class StakeGroup:
         """Say in the store that this rank came to round ``seq`` (a rank that gives
         up names those that did not)."""
         self._post(f"{self.key}/arr/{seq}/{self.index}", "1")
+
+    def _spent(self, error: RuntimeError, seq: int, timeout: float) -> RoundFailure:
+        """gloo raised in round ``seq``: what failed, after which the group is
+        spent."""
+        failure = self._gloo_failure(error, seq, timeout)
+        self._fail()
+        return failure
 
     def _gloo_failure(
         self, error: RuntimeError, seq: int, timeout: float
@@ -474,6 +460,72 @@ class _Round(NamedTuple):
     def left(self) -> timedelta:
         """What is left of the bound, for a gloo wait (at least 1 ms)."""
         return timedelta(seconds=max(self.end - time.monotonic(), 0.001))
+
+
+class _Exchange(NamedTuple):
+    """One exchange of a max round with member ``peer``: the tags of this
+    member's ``send`` and ``recv`` (None: not that way), and how the received
+    words join this member's (``combine(mine, got)``)."""
+
+    peer: int
+    send: int | None
+    recv: int | None
+    combine: Any
+
+
+def _maximum(mine: torch.Tensor, got: torch.Tensor) -> None:
+    torch.maximum(mine, got, out=mine)
+
+
+class PostedMax:
+    """A max round whose first exchange is posted (:meth:`StakeGroup.post_max`).
+
+    Every ``send``/``recv`` is posted from the calling thread and each ``recv``
+    is waited on once, to the bound (a shorter wait closes gloo's pair), so the
+    arrival of a rank that waits long is posted by the watch thread. The bound
+    runs from :meth:`finish`, where this rank starts to wait, not from the post:
+    what the rank computes in between is not a wait."""
+
+    def __init__(
+        self, group: StakeGroup, pg: Any, seq: int, values: Sequence[int], timeout: float
+    ) -> None:
+        self.group, self.pg, self.seq, self.timeout = group, pg, seq, timeout
+        self.mine = torch.tensor(values, dtype=torch.int64)
+        self.got = torch.empty_like(self.mine)
+        self.steps = group.exchanges()
+        self.t0 = time.monotonic()
+        self.first = self._post(self.steps[0]) if self.steps else ()
+
+    def _post(self, step: _Exchange) -> tuple[Any, ...]:
+        try:
+            sent = () if step.send is None else (self.pg.send([self.mine], step.peer, step.send),)
+            got = () if step.recv is None else (self.pg.recv([self.got], step.peer, step.recv),)
+        except RuntimeError as e:
+            raise self.group._spent(e, self.seq, self.timeout) from None
+        return got + sent
+
+    def finish(self) -> list[int]:
+        """Complete the round (the remaining exchanges, each posted and waited in
+        turn); the element-wise maximum."""
+        group = self.group
+        rnd = _Round(self.seq, time.monotonic() + self.timeout, self.timeout)
+        _ARRIVALS.enter(group, rnd)
+        try:
+            for k, step in enumerate(self.steps):
+                works = self.first if k == 0 else self._post(step)
+                for work in works:
+                    work.wait(rnd.left())
+                if step.combine is not None:
+                    step.combine(self.mine, self.got)
+        except RuntimeError as e:
+            raise group._spent(e, self.seq, self.timeout) from None
+        except BaseException:
+            group._fail()
+            raise
+        finally:
+            _ARRIVALS.leave(group)
+        group.last_round_s = time.monotonic() - self.t0
+        return self.mine.tolist()
 
 
 def _every(timeout: float) -> float:

@@ -138,6 +138,9 @@ class _Task:
 
     id: int
     report: set[Stake] = field(default_factory=set)
+    posted: dict[Stake, Any] = field(default_factory=dict)
+    """Agreements posted at a replay's start, by stake: each one's finish, run
+    before the task's first collective (or at its end)."""
     failures: list[str] = field(default_factory=list)
     queued: bool = False
     ended: bool = False
@@ -247,11 +250,17 @@ class StepState:
         if task is None or task.id != _graph_task_id():
             with self._lock:
                 task = self._begin()
+                self._finish_agreements(task)
+        elif task.posted:
+            with self._lock:
+                self._finish_agreements(task)
         return _PROCESS.timeout if task.report else None
 
     def replay_starts(self, stakes: tuple[Stake, ...]) -> None:
-        """A replay of a checkpoint at stake on ``stakes`` starts (agree first if
-        this graph task has not); its stakes report at this task's end."""
+        """A replay of a checkpoint at stake on ``stakes`` starts: if this graph
+        task has not agreed yet, post its agreements, to be finished before its
+        first collective (the replay computes meanwhile); its stakes report at
+        this task's end."""
         with self._lock:
             task = self.task
             if task is None or task.id != _graph_task_id():
@@ -270,7 +279,9 @@ class StepState:
     def _begin(self) -> _Task:
         tid = _graph_task_id()
         previous = self.task
-        if previous is not None and previous.report and not previous.ended:
+        if previous is not None and not previous.ended and (
+            previous.report or previous.posted
+        ):
             self.owed = previous  # it raised before its end
         self._settle_owed()
         task = self.task = _Task(tid)
@@ -295,19 +306,28 @@ class StepState:
         if not need:
             self._hooks()
             return task
-        errors: list[BaseException] = []
         for stake in need:
+            task.posted[stake] = self._post_agreement(stake, plans[stake][0])
+        self._queue_end(task)
+        self._hooks()
+        return task
+
+    def _finish_agreements(self, task: _Task, quiet: bool = False) -> None:
+        """Finish ``task``'s posted agreements, in the stakes' order: a stake that
+        agreed reports at the task's end; the first mismatch or set-up failure
+        raises (none with ``quiet``: the task already failed)."""
+        posted, task.posted = task.posted, {}
+        errors: list[BaseException] = []
+        for stake, finish in posted.items():
             try:
-                self._agree(stake, plans[stake][0])
+                finish()
                 task.report.add(stake)
             except (PlanMismatchError, AgreementSetupError) as e:
+                task.report.discard(stake)
                 errors.append(e)
-        if task.report:
-            self._queue_end(task)
         self._hooks()
-        if errors:
+        if errors and not quiet:
             raise errors[0]
-        return task
 
     def _queue_end(self, task: _Task) -> None:
         if not task.queued and _graph_task_id() != -1:
@@ -334,18 +354,32 @@ class StepState:
         self.stats.store_requests += group.store_requests
         group.rounds = group.store_requests = 0
 
-    def _round(self, state: _StakeState, kind: int, fn: Any) -> Any:
-        """Run ``fn(group)`` as this stake's next round. A rank that finds the
-        round aborted before it came (it took no part in it) runs it again on
-        the stake's next group, where its peers meet it in their next round."""
+    def _usable_group(self, state: _StakeState) -> tuple[StakeGroup, bool]:
+        """The stake's group, made anew if it has none or it failed (then True)."""
+        group = state.group
+        if group is None or group.broken:
+            return self._make_group(state), True
+        return group, False
+
+    def _round(
+        self, state: _StakeState, kind: int, fn: Any, first: Any = None
+    ) -> Any:
+        """Run ``fn(group)`` as this stake's next round (``first``: the group it
+        was posted on, whether that group was new, and the post's finish, for the
+        first try). A rank that finds the round aborted before it came (it took
+        no part in it) runs it again on the stake's next group, where its peers
+        meet it in their next round."""
         late: RoundFailure | None = None
-        for _ in range(2):
-            group = state.group
-            if group is None or group.broken:
-                group = self._make_group(state)
+        for attempt in range(2):
+            if attempt == 0 and first is not None:
+                group, new, run = first
+            else:
+                group, new = self._usable_group(state)
+                run = lambda g=group: fn(g)  # noqa: E731
+            if new:
                 late = late or group.missed
             try:
-                return fn(group)
+                return run()
             except RoundFailure as f:
                 if late is not None:
                     f.came_late = late  # type: ignore[attr-defined]
@@ -369,15 +403,38 @@ class StepState:
         ``words`` (a report: when no rank's first word is set), else every rank's
         ``explain_with``. Raises :class:`RoundFailure` (the round failed) with
         ``reason="out of step"`` where the ranks ran rounds of different kinds."""
+        return self.post_round(stake, kind, words, explain_with)()
+
+    def post_round(
+        self, stake: Stake, kind: int, words: list[int], explain_with: bytes
+    ) -> Any:
+        """:meth:`run_round` in two halves: post its first exchange now; the
+        returned function finishes it (and raises what ``run_round`` raises)."""
         state = self._stake(stake)
         tagged = tagged_words(kind, words)
-        got = self._round(state, kind, lambda g: g.reduce_max(tagged, _PROCESS.timeout))
-        check_tag(got, kind, stake, _KINDS)
-        if got[2] == 0 if kind == _REPORT else all_equal(got[2:], words):
-            return None
-        return self._round(
-            state, kind, lambda g: g.gather(explain_with, _PROCESS.timeout)
-        )
+        timeout = _PROCESS.timeout
+        group, new = self._usable_group(state)
+        try:
+            finish_first = group.post_max(tagged, timeout).finish
+        except RoundFailure as f:
+            failed = f
+
+            def finish_first() -> list[int]:
+                raise failed
+
+        def finish() -> dict[int, bytes] | None:
+            got = self._round(
+                state,
+                kind,
+                lambda g: g.reduce_max(tagged, timeout),
+                first=(group, new, finish_first),
+            )
+            check_tag(got, kind, stake, _KINDS)
+            if got[2] == 0 if kind == _REPORT else all_equal(got[2:], words):
+                return None
+            return self._round(state, kind, lambda g: g.gather(explain_with, timeout))
+
+        return finish
 
     def round_error(
         self, stake: Stake, f: RoundFailure, what: str, kind: type
@@ -400,7 +457,10 @@ class StepState:
                 name,
             )
 
-    def _agree(self, stake: Stake, plan: PlanDigest) -> None:
+    def _post_agreement(self, stake: Stake, plan: PlanDigest) -> Any:
+        """Post the plan agreement of ``stake``; returns its finish, which raises
+        :class:`PlanMismatchError` (or :class:`AgreementSetupError`) on every rank
+        of the stake where the plans differ or the round failed."""
         state = self.stakes[stake]
         state.noted = False
         if state.agreements == 0:
@@ -413,24 +473,29 @@ class StepState:
         state.agreements += 1
         self.stats.agreements += 1
         what = f"the plan agreement of ranks {list(stake)}"
-        try:
-            got_all = self.run_round(stake, _AGREE, plan.words(), plan.payload())
-        except RoundFailure as f:
-            raise self.round_error(stake, f, what, PlanMismatchError) from None
-        if got_all is None:
-            group = state.group
-            log.info(
-                "%s: %d checkpoint(s) agreed in %.2f ms (%d gloo operations by "
-                "this rank so far)",
-                what,
-                plan.count,
-                group.last_round_s * 1e3 if group else 0.0,
-                self.stats.operations,
-            )
-            return
-        text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
-        log.error("%s", text)
-        raise PlanMismatchError(text)
+        round_ = self.post_round(stake, _AGREE, plan.words(), plan.payload())
+
+        def finish() -> None:
+            try:
+                got_all = round_()
+            except RoundFailure as f:
+                raise self.round_error(stake, f, what, PlanMismatchError) from None
+            if got_all is None:
+                group = state.group
+                log.info(
+                    "%s: %d checkpoint(s) agreed in %.2f ms from its post (%d gloo "
+                    "operations by this rank so far)",
+                    what,
+                    plan.count,
+                    group.last_round_s * 1e3 if group else 0.0,
+                    self.stats.operations,
+                )
+                return
+            text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
+            log.error("%s", text)
+            raise PlanMismatchError(text)
+
+        return finish
 
     def _end(self, task: _Task) -> None:
         with self._lock:
@@ -438,10 +503,20 @@ class StepState:
             if self.owed is task:
                 self.owed = None
             failure = task.failures[0] if task.failures else None
+            errors: list[Exception] = []
             try:
-                self._report(task, failure)
+                for settle in (
+                    self._finish_agreements,
+                    lambda t: self._report(t, failure),
+                ):
+                    try:
+                        settle(task)
+                    except Exception as e:  # noqa: BLE001 - raised below, first first
+                        errors.append(e)
             finally:
                 self._hooks()
+            if errors:
+                raise errors[0]
 
     def _report(self, task: _Task, failure: str | None) -> None:
         errors: list[BaseException] = []
@@ -482,10 +557,16 @@ class StepState:
         owed, self.owed = self.owed, None
         if owed is None:
             task = self.task
-            if task is None or not task.report or task.ended or _graph_task_id() != -1:
+            if (
+                task is None
+                or task.ended
+                or not (task.report or task.posted)
+                or _graph_task_id() != -1
+            ):
                 return
             owed = task
         owed.ended = True
+        self._finish_agreements(owed, quiet=True)
         try:
             self._report(
                 owed, f"rank {self.rank}: backward raised before the end of the step"
@@ -500,7 +581,9 @@ class StepState:
             or bool(self.condemned)
             or any(s.needs_agreement() for s in self.stakes.values())
             or (
-                self.task is not None and bool(self.task.report) and not self.task.ended
+                self.task is not None
+                and bool(self.task.report or self.task.posted)
+                and not self.task.ended
             )
         )
         if active:

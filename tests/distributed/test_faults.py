@@ -557,6 +557,48 @@ def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
 
 
 @distributed(world_size=2)
+def test_replay_computes_while_its_agreement_travels(ctx: DistContext):
+    # The agreement is posted when a replay starts and waited for only before the
+    # first collective: rank 1 computes its replay (up to the all-reduce) before
+    # rank 0 has even started backward. Rank 0 holds its backward (a hook on the
+    # checkpoint's output, which runs before the replay) until rank 1 is inside
+    # its replay. Were the agreement waited for at the replay's start, rank 1
+    # would wait there for rank 0, which waits for rank 1: both would fail
+    # (the bound, the store's wait).
+    from datetime import timedelta
+
+    signal = dist.FileStore(os.path.join(ctx.shared_dir, "signal"), 2)
+
+    signalling = []
+
+    def block(t):
+        if ctx.rank == 1 and signalling and remat.is_recomputing():
+            signal.set("rank 1 replays", "1")
+        buf = torch.ones(2)
+        dist.all_reduce(buf)
+        return t.sin().cos() * buf[0]
+
+    x = torch.randn(4, 8, requires_grad=True)
+    # a first step sets the stake's gloo group up (all ranks take part in that)
+    remat.checkpoint(region_name="posted_blk")(block)(x).sum().backward()
+    x.grad = None
+    signalling.append(True)
+    remat.set_replay_timeout(3.0)
+    try:
+        y = remat.checkpoint(region_name="posted_blk")(block)(x)
+        if ctx.rank == 0:
+            y.register_hook(
+                lambda g: (signal.wait(["rank 1 replays"], timedelta(seconds=10)), g)[1]
+            )
+        y.sum().backward()
+    finally:
+        remat.set_replay_timeout(20.0)
+    with torch.no_grad():
+        expected = -torch.sin(x.sin()) * x.cos() * 2
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+@distributed(world_size=2)
 def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
     # Rank 1's backward raises in a hook after the replay: rank 0 waits at the
     # end-of-backward report; rank 1's next step joins the missed report saying
