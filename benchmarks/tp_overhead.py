@@ -22,7 +22,10 @@ Each as ratios within one iteration, remat_dist over torch's (``x_torch``, the
 target) and each checkpointing variant over no checkpointing (``x_none``), with
 the median over iterations and its seeded bootstrap 95% interval, and the
 collectives each variant issues per step; it writes JSON. remat_dist's rounds
-(one agreement and one report per step) run on the TP group's stake group.
+(one agreement and one report per step) run on the TP group's stake group; the
+script also gives how long they held each rank's backward per step
+(``StepStats.agreement_wait_s`` and ``report_wait_s``: the agreement is posted
+when the first replay starts and finished before the first collective).
 
     python -m benchmarks.tp_overhead [--iters N] [--json PATH]
 """
@@ -99,18 +102,26 @@ def _rank_main(out_path: str, iters: int) -> None:
         tokens, targets = make_batch(config, 4, seed=0)
         wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        waits: dict[str, list[float]] = {"agreement": [], "report": []}
         for it in range(20 + iters):
             k = it % len(VARIANTS)
             for v in VARIANTS[k:] + VARIANTS[:k]:
                 model = models[v]
                 dist.barrier()
+                before = remat.step_stats()
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+                after = remat.step_stats()
                 model.zero_grad(set_to_none=True)
                 if it >= 20:
                     wall[v].append(elapsed)
                     cpu[v].append(cpu_s)
+                    if v == "remat replay":
+                        waits["agreement"].append(
+                            after.agreement_wait_s - before.agreement_wait_s
+                        )
+                        waits["report"].append(after.report_wait_s - before.report_wait_s)
         counts = {}
         for v in VARIANTS:
             forward, backward = RecordCollectives(), RecordCollectives()
@@ -120,7 +131,7 @@ def _rank_main(out_path: str, iters: int) -> None:
                 loss.backward()
             models[v].zero_grad(set_to_none=True)
             counts[v] = {"forward": len(forward.ledger), "backward": len(backward.ledger)}
-        per_rank = all_gather_objects({"wall": wall, "cpu": cpu})
+        per_rank = all_gather_objects({"wall": wall, "cpu": cpu, "waits": waits})
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump({"ranks": per_rank, "collectives_per_step": counts}, f)
@@ -203,6 +214,22 @@ def main() -> None:
             f"{row['torch_ms']:9.2f} {row['remat_ms']:9.2f}"
             + "".join(f" {m:8.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in cells)
         )
+    out["remat_waits_ms"] = {}
+    for kind in ("agreement", "report"):
+        cells = []
+        for r, rank in enumerate(ranks):
+            w = sorted(rank["waits"][kind])
+            row = {
+                "mean": statistics.mean(w) * 1e3,
+                "median": statistics.median(w) * 1e3,
+                "p90": w[int(0.9 * (len(w) - 1))] * 1e3,
+            }
+            out["remat_waits_ms"].setdefault(kind, []).append(row)
+            cells.append(
+                f"rank {r} mean {row['mean']:.3f} median {row['median']:.3f} "
+                f"p90 {row['p90']:.3f}"
+            )
+        print(f"remat_dist's {kind} held backward, ms per step: " + "; ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,13 @@ class StepStats:
     """Requests to the c10d store: group set-up and slow or failed rounds only."""
     groups: int = 0
     """Stake groups this rank made (one per stake, one more after each failure)."""
+    agreement_wait_s: float = 0.0
+    """Seconds this rank's backward was held finishing its agreements (posted
+    when a replay starts, finished before the first collective: what the replay
+    computed in between is not counted)."""
+    report_wait_s: float = 0.0
+    """Seconds this rank's backward was held in its end-of-backward reports
+    (mostly waiting for the slowest rank of the stake to end its backward)."""
 
 
 class StepState:
@@ -318,6 +326,7 @@ class StepState:
         raises (none with ``quiet``: the task already failed)."""
         posted, task.posted = task.posted, {}
         errors: list[BaseException] = []
+        t0 = time.perf_counter()
         for stake, finish in posted.items():
             try:
                 finish()
@@ -325,6 +334,7 @@ class StepState:
             except (PlanMismatchError, AgreementSetupError) as e:
                 task.report.discard(stake)
                 errors.append(e)
+        self.stats.agreement_wait_s += time.perf_counter() - t0
         self._hooks()
         if errors and not quiet:
             raise errors[0]
@@ -529,11 +539,14 @@ class StepState:
             # [failed, 0]: the maximum says whether any rank failed
             flags = [0, 0] if failure is None else [1, 0]
             what = f"the end-of-backward report of ranks {list(stake)}"
+            t0 = time.perf_counter()
             try:
                 msgs = self.run_round(stake, _REPORT, flags, (failure or "").encode())
             except RoundFailure as f:
                 errors.append(self.round_error(stake, f, what, CollectiveReplayError))
                 continue
+            finally:
+                self.stats.report_wait_s += time.perf_counter() - t0
             if msgs is None:
                 continue
             failed = sorted(r for r, m in msgs.items() if m)

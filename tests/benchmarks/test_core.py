@@ -142,6 +142,11 @@ def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path
         for v in ("torch.utils.checkpoint", "remat replay"):
             lo, hi = row[v]["ci95"]
             assert lo <= row[v]["median"] <= hi
+    # each rank's backward was held by one agreement and one report per step
+    for kind in ("agreement", "report"):
+        assert len(result["remat_waits_ms"][kind]) == 2
+        for row in result["remat_waits_ms"][kind]:
+            assert 0 < row["median"] <= row["p90"]
 
 
 def test_instruction_counts_sum_each_functions_own_cost_and_skip_inclusive_call_costs(
