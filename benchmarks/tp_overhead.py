@@ -25,7 +25,10 @@ collectives each variant issues per step; it writes JSON. remat_dist's rounds
 (one agreement and one report per step) run on the TP group's stake group; the
 script also gives how long they held each rank's backward per step
 (``StepStats.agreement_wait_s`` and ``report_wait_s``: the agreement is posted
-when the first replay starts and finished before the first collective).
+when the first replay starts and finished before the first collective) and, on
+Linux, each variant's CPU time per step by thread: the main thread, gloo's
+threads (its I/O loops and worker), the rest; every gloo operation, torch's
+collectives and remat_dist's rounds alike, costs CPU time on gloo's threads.
 
     python -m benchmarks.tp_overhead [--iters N] [--json PATH]
 """
@@ -51,6 +54,30 @@ ROUNDS = "torch + 2 gloo rounds"
 own API: a ``dist.all_reduce`` (MAX) of 6 int64 on a gloo group of the same
 ranks when backward starts (a hook on the loss) and one after it: what two
 small gloo collectives cost this step, the control for remat_dist's rounds."""
+
+
+def _thread_cpu() -> dict[str, float]:
+    """This process's CPU seconds so far by kind of thread (Linux; else empty):
+    ``main``, ``gloo`` (gloo's I/O loops and worker threads), ``other``."""
+    out = {"main": 0.0, "gloo": 0.0, "other": 0.0}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                seconds = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        kind = (
+            "main" if int(tid) == os.getpid()
+            else "gloo" if "gloo" in name else "other"
+        )
+        out[kind] += seconds
+    return out
 
 
 def _rank_main(out_path: str, iters: int) -> None:
@@ -103,18 +130,23 @@ def _rank_main(out_path: str, iters: int) -> None:
         wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         waits: dict[str, list[float]] = {"agreement": [], "report": []}
+        threads: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
         for it in range(20 + iters):
             k = it % len(VARIANTS)
             for v in VARIANTS[k:] + VARIANTS[:k]:
                 model = models[v]
                 dist.barrier()
-                before = remat.step_stats()
+                before, by_thread = remat.step_stats(), _thread_cpu()
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-                after = remat.step_stats()
+                after, by_thread_after = remat.step_stats(), _thread_cpu()
                 model.zero_grad(set_to_none=True)
                 if it >= 20:
+                    for kind, seconds in by_thread_after.items():
+                        threads[v][kind] = (
+                            threads[v].get(kind, 0.0) + seconds - by_thread[kind]
+                        )
                     wall[v].append(elapsed)
                     cpu[v].append(cpu_s)
                     if v == "remat replay":
@@ -131,7 +163,9 @@ def _rank_main(out_path: str, iters: int) -> None:
                 loss.backward()
             models[v].zero_grad(set_to_none=True)
             counts[v] = {"forward": len(forward.ledger), "backward": len(backward.ledger)}
-        per_rank = all_gather_objects({"wall": wall, "cpu": cpu, "waits": waits})
+        per_rank = all_gather_objects(
+            {"wall": wall, "cpu": cpu, "waits": waits, "threads": threads}
+        )
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump({"ranks": per_rank, "collectives_per_step": counts}, f)
@@ -214,6 +248,17 @@ def main() -> None:
             f"{row['torch_ms']:9.2f} {row['remat_ms']:9.2f}"
             + "".join(f" {m:8.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in cells)
         )
+    if ranks[0]["threads"][none]:
+        out["thread_cpu_ms_per_step"] = {}
+        print("CPU ms per step and rank, by thread (mean of the ranks):")
+        for v in VARIANTS:
+            row = {
+                kind: sum(r["threads"][v][kind] for r in ranks) / len(ranks)
+                / args.iters * 1e3
+                for kind in ranks[0]["threads"][v]
+            }
+            out["thread_cpu_ms_per_step"][v] = row
+            print(f"  {v:24s} " + "  ".join(f"{k} {ms:7.2f}" for k, ms in row.items()))
     out["remat_waits_ms"] = {}
     for kind in ("agreement", "report"):
         cells = []

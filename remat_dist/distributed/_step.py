@@ -15,8 +15,10 @@ one micro-batch of a pipeline schedule)::
               rank that checkpoints nothing still meets its peers
     backward  at the first replay or first collective of the graph task: one
               agreement per stake with a pending plan or a note, in the order of
-              the stakes' ranks; a mismatch raises PlanMismatchError on every
-              rank of that stake before any of them issues a collective
+              the stakes' ranks, posted (a replay computes while it travels) and
+              finished before the task's first collective, or at its end; a
+              mismatch raises PlanMismatchError on every rank of that stake
+              before any of them issues a collective
     end       one report per stake agreed or replayed in this graph task: a replay
               that diverged or raised on one rank was absorbed there (stand-ins,
               released peers) and every rank of the stake raises
