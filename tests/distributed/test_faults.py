@@ -623,6 +623,45 @@ def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
 
 
 @distributed(world_size=2)
+def test_agreement_finished_at_backwards_end_where_no_collective_follows(ctx: DistContext):
+    # The block's all-reduce is in a save region, so its replay issues no
+    # collective and nothing else in backward does: the agreement posted at the
+    # replay's start is finished at backward's end. A rank-dependent decision of
+    # another region still raises on both ranks, and the next steps run clean.
+    def block(recompute_inner):
+        def run(t):
+            buf = remat.region(_all_reduced_ones, "comm", recompute=False)()
+            remat.recompute_needs_tensor(buf)
+            inner = remat.region(torch.sin, "inner", recompute=recompute_inner)(t)
+            if not recompute_inner:
+                remat.recompute_needs_tensor(inner)
+            return inner.cos() * buf[0]
+
+        return run
+
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = remat.checkpoint(region_name="end_blk")(block(True))(x).sum()
+    assert _backward_ops(loss) == []
+    loss = remat.checkpoint(region_name="end_blk")(block(ctx.rank == 0))(x).sum()
+    err = _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "inner", "ranks [1]")
+    assert _backward_ops.last == []
+    _same_on_every_rank(str(err))
+    err = loss = None  # the step is dropped: its graph dies
+    for _ in range(2):
+        x.grad = None
+        remat.checkpoint(region_name="end_blk")(block(True))(x).sum().backward()
+        with torch.no_grad():
+            expected = -torch.sin(x.sin()) * x.cos() * 2
+        torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def _all_reduced_ones():
+    buf = torch.ones(2)
+    dist.all_reduce(buf)
+    return buf
+
+
+@distributed(world_size=2)
 def test_agreement_costs_nothing_in_forward(ctx: DistContext):
     from remat_dist.distributed import step_stats
 
