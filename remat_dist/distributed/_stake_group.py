@@ -54,7 +54,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from math import inf
 from typing import Any, NamedTuple
@@ -63,7 +63,14 @@ import torch
 
 from remat_dist._logging import get_logger
 
-__all__ = ["RoundFailure", "StakeGroup", "all_equal", "check_tag", "tagged_words"]
+__all__ = [
+    "PostedMax",
+    "RoundFailure",
+    "StakeGroup",
+    "all_equal",
+    "check_tag",
+    "tagged_words",
+]
 
 log = get_logger(__name__)
 
@@ -225,11 +232,7 @@ class StakeGroup:
         :meth:`PostedMax.finish` completes it. Where every member posts before
         any finishes, the first exchange (the whole round at 2 ranks) travels
         while the members compute."""
-        if self.broken:
-            raise RoundFailure("closed", "this group failed earlier")
-        seq = self.seq
-        self.seq += 1
-        self.rounds += 1
+        seq = self._next_operation()
         try:
             return PostedMax(self, self._group(timeout), seq, values, timeout)
         except BaseException:
@@ -248,11 +251,7 @@ class StakeGroup:
         mine = torch.zeros(n + 4, dtype=torch.uint8)
         mine[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in self.ranks]
-        if self.broken:
-            raise RoundFailure("closed", "this group failed earlier")
-        seq = self.seq
-        self.seq += 1
-        self.rounds += 1
+        seq = self._next_operation()
         t0 = time.monotonic()
         try:
             work = self._group(timeout).allgather(outs, mine, timedelta(seconds=timeout))
@@ -266,6 +265,14 @@ class StakeGroup:
             raw = t.numpy().tobytes()
             got[r] = raw[4 : 4 + int.from_bytes(raw[:4], "big")]
         return got
+
+    def _next_operation(self) -> int:
+        """Number the next operation of a round (all members number alike)."""
+        if self.broken:
+            raise RoundFailure("closed", "this group failed earlier")
+        self.seq += 1
+        self.rounds += 1
+        return self.seq - 1
 
     def exchanges(self) -> list[_Exchange]:
         """This member's exchanges of a max round, by recursive doubling: members
@@ -470,7 +477,7 @@ class _Exchange(NamedTuple):
     peer: int
     send: int | None
     recv: int | None
-    combine: Any
+    combine: Callable[[torch.Tensor, torch.Tensor], Any] | None
 
 
 def _maximum(mine: torch.Tensor, got: torch.Tensor) -> None:

@@ -58,6 +58,7 @@ from remat_dist.distributed._intercept import set_step_hooks, step_hooks_set
 from remat_dist.distributed._plan import PlanDigest, explain, failure_text
 from remat_dist.distributed._ready import dist_ready
 from remat_dist.distributed._stake_group import (
+    PostedMax,
     RoundFailure,
     StakeGroup,
     all_equal,
@@ -426,13 +427,16 @@ class StepState:
         tagged = tagged_words(kind, words)
         timeout = _PROCESS.timeout
         group, new = self._usable_group(state)
+        posted: PostedMax | RoundFailure
         try:
-            finish_first = group.post_max(tagged, timeout).finish
+            posted = group.post_max(tagged, timeout)
         except RoundFailure as f:
-            failed = f
+            posted = f  # raised by the first try, where a late rank may retry
 
-            def finish_first() -> list[int]:
-                raise failed
+        def finish_first() -> list[int]:
+            if isinstance(posted, RoundFailure):
+                raise posted
+            return posted.finish()
 
         def finish() -> dict[int, bytes] | None:
             got = self._round(
@@ -517,14 +521,14 @@ class StepState:
             failure = task.failures[0] if task.failures else None
             errors: list[Exception] = []
             try:
-                for settle in (
-                    self._finish_agreements,
-                    lambda t: self._report(t, failure),
-                ):
-                    try:
-                        settle(task)
-                    except Exception as e:  # noqa: BLE001 - raised below, first first
-                        errors.append(e)
+                try:
+                    self._finish_agreements(task)
+                except (PlanMismatchError, AgreementSetupError) as e:
+                    errors.append(e)
+                try:
+                    self._report(task, failure)
+                except Exception as e:  # noqa: BLE001 - raised after the agreement's
+                    errors.append(e)
             finally:
                 self._hooks()
             if errors:
