@@ -117,7 +117,8 @@ class StakeGroup:
     ``base``: the stake's key in ``store`` (the same on every member); the group
     of generation ``gen`` lives under ``{base}/{gen}``. Every member must run the
     same rounds in the same order. Counters: ``rounds``, ``store_requests``,
-    ``last_round_s``.
+    ``last_round_s`` (from the round's post to its end), ``last_wait_s`` (the
+    part spent in :meth:`PostedMax.finish`).
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class StakeGroup:
         self.rounds = 0
         self.store_requests = 0
         self.last_round_s = 0.0
+        self.last_wait_s = 0.0
         self.broken = False
         self._pg: Any = None
         self._posted: list[str] = []
@@ -515,7 +517,8 @@ class PostedMax:
         """Complete the round (the remaining exchanges, each posted and waited in
         turn); the element-wise maximum."""
         group = self.group
-        rnd = _Round(self.seq, time.monotonic() + self.timeout, self.timeout)
+        start = time.monotonic()
+        rnd = _Round(self.seq, start + self.timeout, self.timeout)
         _ARRIVALS.enter(group, rnd)
         try:
             for k, step in enumerate(self.steps):
@@ -531,7 +534,8 @@ class PostedMax:
             raise
         finally:
             _ARRIVALS.leave(group)
-        group.last_round_s = time.monotonic() - self.t0
+        end = time.monotonic()
+        group.last_round_s, group.last_wait_s = end - self.t0, end - start
         return self.mine.tolist()
 
 

@@ -499,11 +499,12 @@ class StepState:
             if got_all is None:
                 group = state.group
                 log.info(
-                    "%s: %d checkpoint(s) agreed in %.2f ms from its post (%d gloo "
-                    "operations by this rank so far)",
+                    "%s: %d checkpoint(s) agreed in %.2f ms from its post, %.2f ms "
+                    "of it waiting (%d gloo operations by this rank so far)",
                     what,
                     plan.count,
                     group.last_round_s * 1e3 if group else 0.0,
+                    group.last_wait_s * 1e3 if group else 0.0,
                     self.stats.operations,
                 )
                 return
