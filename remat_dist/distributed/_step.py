@@ -15,10 +15,11 @@ one micro-batch of a pipeline schedule)::
               rank that checkpoints nothing still meets its peers
     backward  at the first replay or first collective of the graph task: one
               agreement per stake with a pending plan or a note, in the order of
-              the stakes' ranks, posted (a replay computes while it travels) and
-              finished before the task's first collective, or at its end; a
-              mismatch raises PlanMismatchError on every rank of that stake
-              before any of them issues a collective
+              the stakes' ranks (a 2-rank stake's posted at a replay's start,
+              travelling while the replay computes, and finished before the
+              task's first collective or at its end); a mismatch raises
+              PlanMismatchError on every rank of that stake before any of them
+              issues a collective
     end       one report per stake agreed or replayed in this graph task: a replay
               that diverged or raised on one rank was absorbed there (stand-ins,
               released peers) and every rank of the stake raises
@@ -258,24 +259,28 @@ class StepState:
         returns the bound (seconds) for the collective, None when nothing of this
         graph task is at stake."""
         task = self.task
-        if task is None or task.id != _graph_task_id():
-            with self._lock:
-                task = self._begin()
-                self._finish_agreements(task)
-        elif task.posted:
-            with self._lock:
+        if task is None or task.id != _graph_task_id() or task.posted:
+            with self._lock:  # backward may run on several engine threads
+                task = self.task
+                if task is None or task.id != _graph_task_id():
+                    task = self._begin()
                 self._finish_agreements(task)
         return _PROCESS.timeout if task.report else None
 
     def replay_starts(self, stakes: tuple[Stake, ...]) -> None:
         """A replay of a checkpoint at stake on ``stakes`` starts: if this graph
         task has not agreed yet, post its agreements, to be finished before its
-        first collective (the replay computes meanwhile); its stakes report at
-        this task's end."""
+        first collective (the replay computes meanwhile; stakes of more than 2
+        ranks finish at once); its stakes report at this task's end."""
         with self._lock:
             task = self.task
             if task is None or task.id != _graph_task_id():
                 task = self._begin()
+                if any(len(stake) > 2 for stake in task.posted):
+                    # past 2 ranks a round needs every member's later exchanges:
+                    # a rank that raised between post and finish would leave its
+                    # peers split on whether the round completed
+                    self._finish_agreements(task)
             mine = [s for s in stakes if len(s) > 1 and self.rank in s]
             if mine:
                 task.report.update(mine)
@@ -327,16 +332,20 @@ class StepState:
         """Finish ``task``'s posted agreements, in the stakes' order: a stake that
         agreed reports at the task's end; the first mismatch or set-up failure
         raises (none with ``quiet``: the task already failed)."""
-        posted, task.posted = task.posted, {}
         errors: list[BaseException] = []
         t0 = time.perf_counter()
-        for stake, finish in posted.items():
-            try:
-                finish()
-                task.report.add(stake)
-            except (PlanMismatchError, AgreementSetupError) as e:
-                task.report.discard(stake)
-                errors.append(e)
+        try:
+            # emptied only once finished: another engine thread about to issue
+            # a collective waits on the lock until then
+            for stake, finish in task.posted.items():
+                try:
+                    finish()
+                    task.report.add(stake)
+                except (PlanMismatchError, AgreementSetupError) as e:
+                    task.report.discard(stake)
+                    errors.append(e)
+        finally:
+            task.posted = {}
         self.stats.agreement_wait_s += time.perf_counter() - t0
         self._hooks()
         if errors and not quiet:
