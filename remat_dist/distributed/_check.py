@@ -12,8 +12,9 @@ from remat_dist._errors import PlanMismatchError
 from remat_dist._logging import get_logger
 from remat_dist.distributed._plan import PlanDigest, explain
 from remat_dist.distributed._ready import dist_ready
+from remat_dist.distributed._rounds import CHECK
 from remat_dist.distributed._stake_group import RoundFailure
-from remat_dist.distributed._step import _CHECK, StepState, current_step
+from remat_dist.distributed._step import StepState, current_step
 
 __all__ = ["check_plan_consistency"]
 
@@ -57,7 +58,7 @@ def _check(step: StepState, ranks: tuple[int, ...]) -> None:
         step.full = PlanDigest()
         return
     try:
-        got_all = step.run_round(ranks, _CHECK, plan.words(), plan.payload())
+        got_all = step.run_round(ranks, CHECK, plan.words(), plan.payload())
     except RoundFailure as f:
         step.plan_check_failed()
         raise step.round_error(ranks, f, what, PlanMismatchError) from None

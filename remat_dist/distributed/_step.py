@@ -56,18 +56,10 @@ from remat_dist._logging import get_logger
 from remat_dist._state import register_state
 from remat_dist._torch import _autograd, _c10d
 from remat_dist.distributed._intercept import set_step_hooks, step_hooks_set
-from remat_dist.distributed._plan import PlanDigest, explain, failure_text
+from remat_dist.distributed._plan import PlanDigest, explain
 from remat_dist.distributed._ready import dist_ready
-from remat_dist.distributed._stake_group import (
-    PostedMax,
-    RoundFailure,
-    StakeGroup,
-    all_equal,
-    check_tag,
-    current_generation,
-    stake_base,
-    tagged_words,
-)
+from remat_dist.distributed._rounds import AGREE, REPORT, Rounds, Stake
+from remat_dist.distributed._stake_group import RoundFailure
 from remat_dist.distributed._value_texts import report_error_class
 
 __all__ = [
@@ -91,14 +83,6 @@ lazily, a straggling rank, checkpoint I/O on one rank)."""
 _queue_callback = _autograd.queue_callback
 _graph_task_id = _autograd.current_graph_task_id
 
-Stake = tuple[int, ...]
-
-_AGREE, _REPORT, _CHECK = 1, 2, 3
-_KINDS = {
-    _AGREE: "a plan agreement",
-    _REPORT: "an end-of-backward report",
-    _CHECK: "check_plan_consistency()",
-}
 
 
 def set_replay_timeout(seconds: float | None) -> None:
@@ -127,16 +111,13 @@ def replay_timeout() -> float:
 
 @dataclass
 class _StakeState:
-    """One stake's pending plan, note and gloo group."""
+    """One stake's pending plan and note."""
 
     ranks: Stake
-    base: str
-    """The stake's key in the store (its groups' generations live under it)."""
     pending: list[tuple[Any, Any, dict[str, str]]] = field(default_factory=list)
     """Per checkpoint forward since the last agreement: a weak reference to its
     record (alive while its graph is), its plan entry, its fingerprints."""
     noted: bool = False
-    group: StakeGroup | None = None
     agreements: int = 0
     reports: int = 0
 
@@ -198,9 +179,8 @@ class StepState:
         import torch.distributed as dist
 
         self.world = weakref.ref(world)  # a group alive at exit aborts gloo
-        self.namespace = namespace
         self.rank = dist.get_rank()
-        self.store = _c10d.default_store()
+        self.rounds = Rounds(self.rank, _c10d.default_store(), namespace)
         self.stakes: dict[Stake, _StakeState] = {}
         self.task: _Task | None = None
         self.owed: _Task | None = None
@@ -253,8 +233,7 @@ class StepState:
     def _stake(self, stake: Stake) -> _StakeState:
         state = self.stakes.get(stake)
         if state is None:
-            base = stake_base(self.namespace, stake)
-            state = self.stakes[stake] = _StakeState(stake, base)
+            state = self.stakes[stake] = _StakeState(stake)
         return state
 
     def plan_check_failed(self) -> None:
@@ -372,123 +351,19 @@ class StepState:
             _queue_callback(lambda: self._end(task))
 
     # -- the rounds
-    def _make_group(self, state: _StakeState) -> StakeGroup:
-        """The stake's group of the current generation (read from the store: the
-        first group, or the next after a failure)."""
-        previous = state.group
-        expected = 0 if previous is None else previous.gen + 1
-        gen = current_generation(self.store, state.base)
-        stale = None if previous is None else previous.stale
-        group = StakeGroup(state.ranks, self.rank, self.store, state.base, gen, stale)
-        group.store_requests += 1
-        if gen > expected:  # its ranks gave up on a group this rank never joined
-            group.missed = group.abort_of(gen - 1)
-        state.group = group
-        self.stats.groups += 1
-        return group
-
-    def _count(self, group: StakeGroup) -> None:
-        self.stats.operations += group.rounds
-        self.stats.store_requests += group.store_requests
-        group.rounds = group.store_requests = 0
-
-    def _usable_group(self, state: _StakeState) -> tuple[StakeGroup, bool]:
-        """The stake's group, made anew if it has none or it failed (then True)."""
-        group = state.group
-        if group is None or group.broken:
-            return self._make_group(state), True
-        return group, False
-
-    def _round(
-        self, state: _StakeState, kind: int, fn: Any, first: Any = None
-    ) -> Any:
-        """Run ``fn(group)`` as this stake's next round (``first``: the group it
-        was posted on, whether that group was new, and the post's finish, for the
-        first try). A rank that finds an agreement or a check given up before it
-        came (it took no part in it: its forward raised, or it called no check)
-        runs it again on the stake's next group, where its peers meet it in their
-        next round. A report is not run again: a rank reaches its report only
-        after taking part in the same backward's agreement, so one late to it
-        stalled in that backward; its peers dropped the step, and so does it."""
-        late: RoundFailure | None = None
-        for attempt in range(2):
-            if attempt == 0 and first is not None:
-                group, new, run = first
-            else:
-                group, new = self._usable_group(state)
-                run = lambda g=group: fn(g)  # noqa: E731
-            if new:
-                late = late or group.missed
-            try:
-                return run()
-            except RoundFailure as f:
-                if late is not None:
-                    f.came_late = late  # type: ignore[attr-defined]
-                if not f.late or late is not None or kind == _REPORT:
-                    raise
-                late = f
-                log.info(
-                    "%s of ranks %s: the ranks gave up on this round before this "
-                    "rank came; running it on the stake's next group",
-                    _KINDS[kind],
-                    list(state.ranks),
-                )
-            finally:
-                self._count(group)
-        raise AssertionError("unreachable")
-
     def run_round(
         self, stake: Stake, kind: int, words: list[int], explain_with: bytes
     ) -> dict[int, bytes] | None:
-        """One round of ``kind`` among ``stake``: None when every rank sent equal
-        ``words`` (a report: when no rank's first word is set), else every rank's
-        ``explain_with``. Raises :class:`RoundFailure` (the round failed) with
-        ``reason="out of step"`` where the ranks ran rounds of different kinds."""
-        return self.post_round(stake, kind, words, explain_with)()
-
-    def post_round(
-        self, stake: Stake, kind: int, words: list[int], explain_with: bytes
-    ) -> Any:
-        """:meth:`run_round` in two halves: post its first exchange now; the
-        returned function finishes it (and raises what ``run_round`` raises)."""
-        state = self._stake(stake)
-        tagged = tagged_words(kind, words)
-        timeout = _PROCESS.timeout
-        group, new = self._usable_group(state)
-        posted: PostedMax | RoundFailure
-        try:
-            posted = group.post_max(tagged, timeout)
-        except RoundFailure as f:
-            posted = f  # raised by the first try, where a late rank may retry
-
-        def finish_first() -> list[int]:
-            if isinstance(posted, RoundFailure):
-                raise posted
-            return posted.finish()
-
-        def finish() -> dict[int, bytes] | None:
-            got = self._round(
-                state,
-                kind,
-                lambda g: g.reduce_max(tagged, timeout),
-                first=(group, new, finish_first),
-            )
-            check_tag(got, kind, stake, _KINDS)
-            if got[2] == 0 if kind == _REPORT else all_equal(got[2:], words):
-                return None
-            return self._round(state, kind, lambda g: g.gather(explain_with, timeout))
-
-        return finish
+        """One round among ``stake`` now, bounded by the replay timeout
+        (:meth:`Rounds.post`)."""
+        self._stake(stake)
+        return self.rounds.run(stake, kind, words, explain_with, _PROCESS.timeout)
 
     def round_error(
         self, stake: Stake, f: RoundFailure, what: str, kind: type
     ) -> Exception:
-        """The error every rank raises for a round that failed: ``kind`` (the
-        round's own error) or, for a group that could not be set up,
-        :class:`AgreementSetupError`."""
-        text = failure_text(self.rank, stake, f, what, _PROCESS.timeout)
-        log.error("%s", text)
-        return (AgreementSetupError if f.reason == "setup" else kind)(text)
+        """The error every rank raises for a round that failed (:meth:`Rounds.error`)."""
+        return self.rounds.error(stake, f, what, kind, _PROCESS.timeout)
 
     def announce_nothing_at_stake(self, name: str) -> None:
         """Say once per process that a replay runs with nothing at stake."""
@@ -519,7 +394,9 @@ class StepState:
         state.agreements += 1
         self.stats.agreements += 1
         what = f"the plan agreement of ranks {list(stake)}"
-        round_ = self.post_round(stake, _AGREE, plan.words(), plan.payload())
+        round_ = self.rounds.post(
+            stake, AGREE, plan.words(), plan.payload(), _PROCESS.timeout
+        )
 
         def finish() -> None:
             try:
@@ -527,15 +404,14 @@ class StepState:
             except RoundFailure as f:
                 raise self.round_error(stake, f, what, PlanMismatchError) from None
             if got_all is None:
-                group = state.group
+                round_s, wait_s = self.rounds.last_times(stake)
                 log.info(
                     "%s: %d checkpoint(s) agreed in %.2f ms from its post, %.2f ms "
-                    "of it waiting (%d gloo operations by this rank so far)",
+                    "of it waiting",
                     what,
                     plan.count,
-                    group.last_round_s * 1e3 if group else 0.0,
-                    group.last_wait_s * 1e3 if group else 0.0,
-                    self.stats.operations,
+                    round_s * 1e3,
+                    wait_s * 1e3,
                 )
                 return
             text = explain({r: json.loads(v) for r, v in got_all.items()}, what)
@@ -578,7 +454,7 @@ class StepState:
             what = f"the end-of-backward report of ranks {list(stake)}"
             t0 = time.perf_counter()
             try:
-                msgs = self.run_round(stake, _REPORT, flags, (failure or "").encode())
+                msgs = self.run_round(stake, REPORT, flags, (failure or "").encode())
             except RoundFailure as f:
                 errors.append(self.round_error(stake, f, what, CollectiveReplayError))
                 continue
@@ -642,11 +518,7 @@ class StepState:
             set_step_hooks(None, None)
 
     def close(self) -> None:
-        for state in self.stakes.values():
-            if state.group is not None:
-                self._count(state.group)
-                state.group.close()
-                state.group = None
+        self.rounds.close()
 
 
 @dataclass
@@ -720,10 +592,12 @@ def step_stats() -> StepStats:
     state = _PROCESS.state
     if state is None:
         return StepStats()
-    for s in state.stakes.values():
-        if s.group is not None:
-            state._count(s.group)
-    return StepStats(**vars(state.stats))
+    rounds = state.rounds
+    rounds.count()
+    stats = StepStats(**vars(state.stats))
+    stats.operations, stats.store_requests = rounds.operations, rounds.store_requests
+    stats.groups = rounds.made
+    return stats
 
 
 def mark_step() -> None:

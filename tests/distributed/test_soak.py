@@ -111,7 +111,7 @@ def _soak_pp_tp() -> dict[int, dict[str, int]]:
         for step in range(1, STEPS + 1):
             tokens, targets = make_batch(CONFIG, 4, seed=step)
             losses = []
-            for k, (module, schedule, opt) in enumerate(runs):
+            for k, (_module, schedule, opt) in enumerate(runs):
                 if k == 1:
                     _straggle(step, ctx.world_size, ctx.rank)
                 out: list[torch.Tensor] = []
