@@ -187,6 +187,9 @@ class StepState:
         self.noting = False
         self.stats = StepStats()
         self.announced = False  # "nothing at stake" said once (REMAT_DIST_LOG=info)
+        self.quiet: tuple[int, list[str]] = (-1, [])
+        """The graph task whose replays with nothing at stake are being counted,
+        and their checkpoints' names."""
         self.full = PlanDigest()  # every checkpoint since check_plan_consistency()
         self.condemned: list[Any] = []
         """Weak references to the records of a forward whose plan check raised on
@@ -366,15 +369,30 @@ class StepState:
         return self.rounds.error(stake, f, what, kind, _PROCESS.timeout)
 
     def announce_nothing_at_stake(self, name: str) -> None:
-        """Say once per process that a replay runs with nothing at stake."""
-        if not self.announced:
-            self.announced = True
-            log.info(
-                "checkpoint '%s' replays with nothing at stake (its forward issued "
-                "no collective of its own): no agreement, gloo operation or store "
-                "request per step for such checkpoints",
-                name,
-            )
+        """Count a replay that runs with nothing at stake; the first backward
+        that has any says, once per process, how many it had."""
+        if self.announced:
+            return
+        tid = _graph_task_id()
+        if self.quiet[0] != tid:
+            self.quiet = (tid, [])
+            if tid != -1:
+                _queue_callback(self._say_nothing_at_stake)
+        self.quiet[1].append(name)
+
+    def _say_nothing_at_stake(self) -> None:
+        if self.announced:
+            return
+        self.announced = True
+        names = self.quiet[1]
+        shown = ", ".join(f"'{n}'" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        log.info(
+            "%d checkpoint(s) replayed in this backward with nothing at stake (%s): "
+            "their forwards issued no collective of their own, so they need no "
+            "agreement, gloo operation or store request",
+            len(names),
+            shown,
+        )
 
     def _post_agreement(self, stake: Stake, plan: PlanDigest) -> Any:
         """Post the plan agreement of ``stake``; returns its finish, which raises
