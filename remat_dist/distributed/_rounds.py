@@ -138,7 +138,8 @@ class Rounds:
         base = stake_base(self.namespace, stake)
         expected = 0 if previous is None else previous.gen + 1
         gen = current_generation(self.store, base)
-        stale = None if previous is None else previous.stale
+        # a rank that never joined generation gen - 1 may be marked absent there
+        stale = max(gen - 1, 0) if previous is None else previous.stale
         group = StakeGroup(stake, self.rank, self.store, base, gen, stale)
         group.store_requests += 1
         if gen > expected:  # its ranks gave up on a group this rank never joined
