@@ -5,7 +5,7 @@ dtype, device and ``requires_grad`` of the output it stands for, so that replay 
 that only passes it along (into another skipped save region, into the checkpoint's
 return value, or nowhere) runs unchanged. View ops on a placeholder give placeholders
 (computed on a ``meta`` twin, so no data is ever touched). Any other op reads data
-and raises :class:`~remat_dist.PlaceholderAccessError`, naming the producing
+and raises :class:`~remat_dist.errors.PlaceholderAccessError`, naming the producing
 region and the two fixes.
 
 Only ops that touch a placeholder pay for the subclass dispatch; ordinary replay ops

@@ -167,7 +167,7 @@ def attach_oom_observer(
 
     if not torch.cuda.is_available():
         warnings.warn(
-            "remat_dist.attach_oom_observer: CUDA is not available; no observer "
+            "remat_dist.report.attach_oom_observer: CUDA is not available; no observer "
             "attached",
             stacklevel=2,
         )

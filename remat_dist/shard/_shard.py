@@ -92,7 +92,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
                 raise RematUsageError(
                     "remat_dist.shard_model: the 1-D mesh is named 'tp' but no "
                     "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                    "remat_dist.reference_tp_plan()), or name the dim 'dp' to "
+                    "remat_dist.shard.reference_tp_plan()), or name the dim 'dp' to "
                     "shard with FSDP2 only."
                 )
             return None, mesh
@@ -113,7 +113,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
             raise RematUsageError(
                 f"remat_dist.shard_model: mesh dims {names} include 'tp' but no "
                 "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                "remat_dist.reference_tp_plan()), or drop the 'tp' dim."
+                "remat_dist.shard.reference_tp_plan()), or drop the 'tp' dim."
             )
         others = tuple(n for n in names if n != TP_DIM)
         fsdp_mesh = mesh[others[0]] if len(others) == 1 else mesh[others]

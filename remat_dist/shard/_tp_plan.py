@@ -185,7 +185,7 @@ def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
         raise RematUsageError(
             "remat_dist.shard_model(tp_plan=...): expected a TensorParallelPlan or a "
             f"dict of per-block ParallelStyles, got {type(tp_plan).__name__}. Fix: "
-            "remat_dist.reference_tp_plan() for remat_dist.models.GPT."
+            "remat_dist.shard.reference_tp_plan() for remat_dist.models.GPT."
         )
     for key, style in plan.block.items():
         _check_style(key, style, "tp_plan.block")
@@ -218,7 +218,7 @@ def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
             "block_input='sequence', block_output='sequence') when the blocks expect "
             "and return this rank's sequence shard (shard_model then slices block "
             "inputs and gathers block outputs), or use "
-            "remat_dist.reference_tp_plan(sequence_parallel=True) for "
+            "remat_dist.shard.reference_tp_plan(sequence_parallel=True) for "
             "remat_dist.models.GPT."
         )
     root_seq = [k for k, s in plan.root.items() if _shards_sequence(s, seq_dim)]

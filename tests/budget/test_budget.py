@@ -17,18 +17,12 @@ import torch
 import torch.nn.functional as F
 
 import remat_dist as remat
-from remat_dist import (
-    RematUsageError,
-    apply_remat,
-    current_plan,
-    remat_plan,
-    remove_remat,
-)
-from remat_dist.budget import parse_bytes
+from remat_dist import RematUsageError, apply_remat, remove_remat
+from remat_dist.budget import current_plan, parse_bytes
 from remat_dist.budget._solver import brute_force, plan_cost, solve
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter
-from remat_dist.wrap import PLANNER_ATTR, BlockInstaller
+from remat_dist.wrap import PLANNER_ATTR, BlockInstaller, remat_plan
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=6, dropout=0.1)
 STEPS = 3  # the profiling step and two under the plan
@@ -667,7 +661,7 @@ def test_infeasible_message_names_the_smallest_plan():
 
 def test_plan_mismatch_keeps_raising(monkeypatch):
     import remat_dist.budget._planner as budget_mod
-    from remat_dist import PlanMismatchError
+    from remat_dist.errors import PlanMismatchError
 
     model = _net(remat.MemoryBudget(bytes="1MiB"))
     monkeypatch.setattr(budget_mod, "dist_ready", lambda: True)

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat_dist import RematUsageError, apply_remat, remat_plan
+from remat_dist import RematUsageError, apply_remat
 from remat_dist.integrations import torchtitan as tt
 from remat_dist.integrations.torchtitan import _override as tt_override
 from remat_dist.integrations.torchtitan._config import SETTINGS_ATTR
+from remat_dist.wrap import remat_plan
 from tests.integrations import _standin as S
 
 ALL = ["layers.0", "layers.1", "layers.2", "layers.3"]

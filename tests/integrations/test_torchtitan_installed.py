@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat_dist import remat_plan
+from remat_dist.wrap import remat_plan
 from tests.integrations import _standin as S
 
 ac = pytest.importorskip("torchtitan.distributed.activation_checkpoint")

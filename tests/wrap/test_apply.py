@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import remat_dist as remat
-from remat_dist import RematUsageError, apply_remat, remat_plan, remove_remat
+from remat_dist import RematUsageError, apply_remat, remove_remat
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing.equivalence import assert_remat_equivalent
+from remat_dist.wrap import remat_plan
 from tests.wrap._rng import cpu_hooks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2, dropout=0.1)
