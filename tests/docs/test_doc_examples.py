@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
-PAGES = ("rng.md", "reports.md", "migration.md", "distributed.md", "offloading.md")
+PAGES = ("rng.md", "reports.md", "migration.md", "distributed.md", "offloading.md", "testing.md")
 """Pages whose python blocks are run (index.md has none; mental_model.md shows
 fragments of a model, not programs)."""
 
