@@ -132,7 +132,7 @@ def checkpoint(
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
             kept); a difference raises ``ReplayValueMismatchError`` at the end of
-            backward (on every rank at stake). ``REMAT_DIST_DETERMINISM_CHECK=values``
+            backward (on every rank of the replay group). ``REMAT_DIST_DETERMINISM_CHECK=values``
             in the environment turns it on for every checkpoint of the process.
             See ``docs/distributed.md``. torch's names are accepted for code
             written against ``torch.utils.checkpoint`` or torch_remat: ``"none"``
@@ -525,7 +525,7 @@ class _Phase:
         target: tuple[Any, Any] | None,
     ) -> bool:
         """An observer absorbed the replay's error (it makes the step fail later,
-        on every rank at stake): instead of what the replay saved wrong
+        on every rank of the replay group): instead of what the replay saved wrong
         (``mismatch``) and what it did not get to save (``raised`` stopped it),
         backward reads zero stand-ins of the forward's metadata. Returns True so
         that torch, whose recompute this context runs, swallows the error and

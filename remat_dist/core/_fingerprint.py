@@ -18,7 +18,7 @@ A difference is a :class:`~remat_dist.errors.ReplayValueMismatchError` naming th
 checkpoint, the saved tensor (its position, region, the op that made it), and
 the causes with their fixes. The core offers it first to the observers
 (``on_replay_values(record, text) -> bool``, the layer above adds the rank and
-reports it among the ranks at stake); when none takes it, it is raised at the end
+reports it among the replay group's ranks); when none takes it, it is raised at the end
 of the backward pass (:func:`raise_at_backward_end`), so the backward's other
 work and collectives complete first, or at once outside a backward.
 

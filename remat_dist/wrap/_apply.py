@@ -230,7 +230,7 @@ def _check_free(name: str, module: nn.Module, regions: dict[str, str]) -> None:
 def _mark_step(module: nn.Module, args: Any) -> None:
     """A rank whose policy leaves a selected block unchecked takes part in the
     agreements of the groups its forward uses (its peers may checkpoint that block).
-    Where every block is checkpointed, the checkpoints put their groups at stake
+    Where every block is checkpointed, the checkpoints form their replay groups
     themselves, and nothing else is looked at: FSDP2's collectives pass untouched."""
     if torch.is_grad_enabled() and any(
         BLOCK_ATTR not in b.__dict__ for b in module.__dict__.get(SELECTED_ATTR, ())
