@@ -313,7 +313,8 @@ class BudgetReport:
             else:
                 share = r.peak_bytes / r.budget_bytes * 100 if r.budget_bytes else 0.0
                 peak = f"peak {format_bytes(r.peak_bytes)} = {share:.0f}%"
-            mark = "  <- heaviest" if p is not None and r.rank == p.max_rank else ""
+            heaviest = p is not None and p.max > p.min and r.rank == p.max_rank
+            mark = "  <- heaviest" if heaviest else ""
             lines.append(
                 f"  rank {r.rank}: {peak} of budget {format_bytes(r.budget_bytes)}, plan "
                 f"bound {format_bytes(r.predicted_peak_bytes)}{mark}"
@@ -391,7 +392,7 @@ class CrossRankReport:
         """A few lines that say, at a glance, how the ranks compare.
 
         Ranks with the same numbers are collapsed (``ranks 0-3,5``); the heaviest
-        rank is marked; regions with the same bytes on every rank are grouped
+        rank is marked where the ranks differ; regions with the same bytes on every rank are grouped
         (``x4 layers.0-3``).
         """
         t = self.totals
@@ -415,7 +416,8 @@ class CrossRankReport:
         for r in self.ranks:
             key = (r.total_bytes, r.checkpoint_input_bytes, r.outside_regions_bytes)
             groups.setdefault(key, []).append(r)
-        heaviest = self.totals.max_rank
+        # "heaviest" only where the ranks differ
+        heaviest = self.totals.max_rank if len(groups) > 1 else None
         ordered = list(groups.values())
         hidden: list[list[RankTotals]] = []
         if len(ordered) > MAX_RANK_LINES:

@@ -46,6 +46,7 @@ from remat_dist.report._accounting import (
     breakdown_checkpoint,
     breakdown_torch_checkpoint,
     format_checkpoint_detail,
+    local_shapes,
 )
 from remat_dist.report._format import compress_names, format_bytes, plural, table
 from remat_dist.report._graph import (
@@ -370,12 +371,13 @@ def build_saved_tensors_report(roots: Any = None, *more: Any) -> SavedTensorsRep
                     nbytes=counted,
                     storage_nbytes=nbytes,
                     label=save.node_type,
-                    shape=tuple(save.tensor.shape),
+                    shape=local_shapes(save.tensor)[0],
                     dtype=save.tensor.dtype,
                     device=plain.device,
                     user_hook=save.user_hook,
                     counted_in=before,
                     tensor=plain,
+                    global_shape=local_shapes(save.tensor)[1],
                 )
             )
     if scan.scopes:
