@@ -131,5 +131,21 @@ def make_placeholder(
 
 
 def is_placeholder(tensor: Any) -> bool:
-    """True for (views of) stand-ins of skipped save-region outputs during replay."""
+    """Whether ``tensor`` is a placeholder: a skipped kept region's output during
+    replay (or a view of one).
+
+    Args:
+        tensor: any object; non-tensors give ``False``.
+
+    Returns:
+        ``True`` for a placeholder.
+
+    Example::
+
+        >>> def block(x):
+        ...     attn = remat_dist.region(attention, "attention", recompute=False)(x)
+        ...     if remat_dist.is_placeholder(attn):
+        ...         pass  # replaying: attn's values are not available here
+        ...     return remat_dist.region(mlp, "mlp", recompute=True)(attn)
+    """
     return isinstance(tensor, Placeholder)

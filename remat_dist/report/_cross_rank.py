@@ -330,7 +330,12 @@ class BudgetReport:
 
 @dataclass(frozen=True)
 class CrossRankReport:
-    """Saved-for-backward bytes across ranks (see module doc).
+    """Saved-for-backward bytes across ranks, what
+    :func:`~remat_dist.gather_saved_tensors_report` returns on its ``dst`` rank.
+
+    ``format()`` gives a few lines that compare the ranks (the heaviest rank is
+    marked where the ranks differ); ``to_dict()`` is JSON-ready and
+    ``from_dict(d)`` reads it back.
 
     Attributes:
         world_size: number of ranks gathered.
@@ -338,7 +343,14 @@ class CrossRankReport:
         regions: per-region bytes on each rank, in forward order.
         totals: statistics of the per-rank ``total_bytes``.
         budget: the memory budgets across ranks, when a rank has one (None
-            otherwise; see :class:`BudgetReport`).
+            otherwise).
+
+    Example::
+
+        >>> report = remat_dist.gather_saved_tensors_report(loss)
+        >>> if report is not None:
+        ...     print(report.format())
+        ...     json.dump(report.to_dict(), open("report.json", "w"))
     """
 
     world_size: int
@@ -577,14 +589,28 @@ def gather_saved_tensors_report(
 ) -> CrossRankReport | None:
     """Gather every rank's saved-tensor summary to ``dst`` and aggregate it there.
 
-    A collective: call it on every rank of ``group`` (default: the world) after
-    forward, with this rank's roots (its loss), or after a step with none. Each
-    rank's summary gets the sections added with :func:`add_rank_section` (its
-    memory budgets: the peak since its previous call, the plans). ``dst`` is a
-    global rank. Returns
-    the :class:`CrossRankReport` on ``dst`` and None elsewhere. Works on gloo and
-    NCCL, without numpy (``remat_dist.distributed.all_gather_objects``). Without an
-    initialised process group it reports this process alone.
+    A collective: call it on every rank of ``group`` after forward, with this rank's
+    roots (its loss), or after a step with none. Each rank's summary carries its
+    memory budgets (the peak since its previous call, the plans). Works on gloo and
+    NCCL, without numpy. Without an initialised process group it reports this
+    process alone.
+
+    Args:
+        *roots: this rank's roots, as for :func:`format_saved_tensors_report`.
+        group: the process group (default: the world).
+        dst: the global rank that receives the report.
+
+    Returns:
+        The :class:`~remat_dist.report.CrossRankReport` on ``dst``, ``None`` on the
+        other ranks.
+
+    Example::
+
+        >>> loss = model(tokens, targets)
+        >>> report = remat_dist.gather_saved_tensors_report(loss)
+        >>> loss.backward()
+        >>> if dist.get_rank() == 0:
+        ...     print(report.format())
     """
     import torch.distributed as dist
 

@@ -210,9 +210,20 @@ def shard_model(
         reshard_after_forward: ``fully_shard``'s option, for blocks and root.
         mp_policy: a ``MixedPrecisionPolicy`` for every ``fully_shard`` call.
 
-    Raises :class:`RematUsageError` for a mesh that does not fit the plan, a plan
-    that cannot be made correct, a model already sharded, or a checkpointed module
-    (``apply_remat``) that would contain FSDP units.
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        RematUsageError: a mesh that does not fit the plan, a plan that cannot be
+            made correct, a model already sharded, or a checkpointed module
+            (``apply_remat``) that would contain FSDP units.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+        >>> tp_plan = {"attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+        >>> remat_dist.apply_remat(model, blocks=Block, policy="full")
+        >>> remat_dist.shard_model(model, mesh, blocks=Block, tp_plan=tp_plan)
     """
     if not isinstance(model, nn.Module):
         raise RematUsageError(
