@@ -114,48 +114,49 @@ TORCH_REMAT_NAMES = frozenset(__all__[:22])
 """torch_remat 0.2's top-level names, all kept here (the drop-in contract)."""
 
 MOVED = {
-    "remat_plan": "remat_dist.wrap",
-    "BlockRemat": "remat_dist.wrap",
-    "reference_tp_plan": "remat_dist.shard",
-    "TensorParallelPlan": "remat_dist.shard",
-    "current_plan": "remat_dist.budget",
-    "BudgetPlan": "remat_dist.budget",
-    "BlockPlan": "remat_dist.budget",
-    "set_replay_timeout": "remat_dist.distributed",
-    "mark_step": "remat_dist.distributed",
-    "check_plan_consistency": "remat_dist.distributed",
-    "step_stats": "remat_dist.distributed",
-    "StepStats": "remat_dist.distributed",
-    "default_state_hooks": "remat_dist.distributed",
-    "DeviceRNGStateHook": "remat_dist.distributed",
-    "CPURNGStateHook": "remat_dist.distributed",
-    "DTensorRNGStateHook": "remat_dist.distributed",
-    "GeneratorStateHook": "remat_dist.distributed",
-    "Trace": "remat_dist.report",
-    "saved_tensors_summary": "remat_dist.report",
-    "CrossRankReport": "remat_dist.report",
-    "attach_oom_observer": "remat_dist.report",
-    "PlaceholderAccessError": "remat_dist.errors",
-    "ReplayMismatchError": "remat_dist.errors",
-    "ReplayValueMismatchError": "remat_dist.errors",
-    "CollectiveReplayError": "remat_dist.errors",
-    "PlanMismatchError": "remat_dist.errors",
-    "AgreementSetupError": "remat_dist.errors",
+    "remat_plan": "remat_dist.wrap.checkpointed_blocks",
+    "BlockRemat": "remat_dist.wrap.BlockRemat",
+    "reference_tp_plan": "remat_dist.shard.reference_tp_plan",
+    "TensorParallelPlan": "remat_dist.shard.TensorParallelPlan",
+    "current_plan": "remat_dist.budget.current_plan",
+    "BudgetPlan": "remat_dist.budget.BudgetPlan",
+    "BlockPlan": "remat_dist.budget.BlockPlan",
+    "set_replay_timeout": "remat_dist.distributed.set_replay_timeout",
+    "mark_step": "remat_dist.distributed.mark_step",
+    "check_plan_consistency": "remat_dist.distributed.check_plan_consistency",
+    "step_stats": "remat_dist.distributed.step_stats",
+    "StepStats": "remat_dist.distributed.StepStats",
+    "default_state_hooks": "remat_dist.distributed.default_state_hooks",
+    "DeviceRNGStateHook": "remat_dist.distributed.DeviceRNGStateHook",
+    "CPURNGStateHook": "remat_dist.distributed.CPURNGStateHook",
+    "DTensorRNGStateHook": "remat_dist.distributed.DTensorRNGStateHook",
+    "GeneratorStateHook": "remat_dist.distributed.GeneratorStateHook",
+    "Trace": "remat_dist.report.Trace",
+    "saved_tensors_summary": "remat_dist.report.saved_tensors_summary",
+    "CrossRankReport": "remat_dist.report.CrossRankReport",
+    "attach_oom_observer": "remat_dist.report.attach_oom_observer",
+    "PlaceholderAccessError": "remat_dist.errors.PlaceholderAccessError",
+    "ReplayMismatchError": "remat_dist.errors.ReplayMismatchError",
+    "ReplayValueMismatchError": "remat_dist.errors.ReplayValueMismatchError",
+    "CollectiveReplayError": "remat_dist.errors.CollectiveReplayError",
+    "PlanMismatchError": "remat_dist.errors.PlanMismatchError",
+    "AgreementSetupError": "remat_dist.errors.AgreementSetupError",
 }
-"""Names that left the top level in 0.1.0 -> the module that has them now. The
-old spelling still works, with a ``DeprecationWarning``, until 0.2.0."""
+"""Names that left the top level in 0.1.0 -> where they are now
+(``module.name``). The old spelling still works, with a ``DeprecationWarning``,
+until 0.2.0."""
 
 
 def __getattr__(name: str):
-    module = MOVED.get(name)
-    if module is None:
+    if name not in MOVED:
         raise AttributeError(f"module 'remat_dist' has no attribute {name!r}")
     import importlib
 
+    module, new = MOVED[name].rsplit(".", 1)
     _warnings.warn(
-        f"remat_dist.{name} moved to {module}.{name}; the top-level name is "
-        f"deprecated and goes in remat_dist 0.2.0 (write: from {module} import {name})",
+        f"remat_dist.{name} moved to {module}.{new}; the top-level name is "
+        f"deprecated and goes in remat_dist 0.2.0 (write: from {module} import {new})",
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module), new)

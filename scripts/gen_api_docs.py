@@ -78,7 +78,7 @@ MODULES: list[tuple[str, str, list[str]]] = [
     (
         "remat_dist.wrap",
         "What `apply_remat` did to a model.",
-        ["remat_plan", "BlockRemat"],
+        ["checkpointed_blocks", "BlockRemat"],
     ),
     (
         "remat_dist.shard",
@@ -216,8 +216,8 @@ def render() -> str:
         "| old | new |",
         "|---|---|",
     ]
-    for name, module_name in remat_dist.MOVED.items():
-        lines.append(f"| `remat_dist.{name}` | `{module_name}.{name}` |")
+    for name, target in remat_dist.MOVED.items():
+        lines.append(f"| `remat_dist.{name}` | `{target}` |")
     return "\n".join(lines).rstrip() + "\n"
 
 

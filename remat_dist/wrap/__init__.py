@@ -1,5 +1,5 @@
 """Checkpointing a model's blocks in place: ``apply_remat`` and ``remove_remat``
-(published at ``remat_dist``), :func:`remat_plan` and :class:`BlockRemat` (what
+(published at ``remat_dist``), :func:`checkpointed_blocks` and :class:`BlockRemat` (what
 ``apply_remat`` did, for users), and what the layers above use to
 build on it: the block selector type, the policy type, the installer a planned
 policy drives (``remat_dist.budget`` plugs in through :class:`PlannedPolicy`), the
@@ -13,7 +13,7 @@ outside the checkpoint and remat adds no parameter all-gather in backward.
 
 from remat_dist.wrap._adapters import ModelAdapter, adapter_for, register_model_adapter
 from remat_dist.wrap._apply import apply_remat as apply_remat  # published at remat_dist
-from remat_dist.wrap._apply import checkpointed_names, remat_plan
+from remat_dist.wrap._apply import checkpointed_blocks, checkpointed_names
 from remat_dist.wrap._apply import (
     remove_remat as remove_remat,  # published at remat_dist
 )
@@ -26,7 +26,7 @@ from remat_dist.wrap._policy import RematPolicy
 
 __all__ = [
     # for users: what apply_remat did
-    "remat_plan",
+    "checkpointed_blocks",
     "BlockRemat",
     # for the layers above (budget, shard, integrations)
     "BLOCK_ATTR",
@@ -48,3 +48,19 @@ __all__ = [
     "select_blocks",
     "strictly_inside",
 ]
+
+
+def __getattr__(name: str):
+    if name == "remat_plan":  # its name until 0.1.0
+        import warnings
+
+        warnings.warn(
+            "remat_dist.wrap.remat_plan is deprecated and goes in remat_dist 0.2.0: "
+            "use remat_dist.wrap.checkpointed_blocks (the same function; 'plan' is "
+            "what a MemoryBudget chooses)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return checkpointed_blocks
+    raise AttributeError(f"module 'remat_dist.wrap' has no attribute {name!r}")
+

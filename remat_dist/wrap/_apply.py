@@ -62,7 +62,7 @@ from remat_dist.wrap._patch import (
 from remat_dist.wrap._planned import PLANNER_ATTR, PlannedPolicy
 from remat_dist.wrap._policy import RematPolicy, resolve_policy
 
-__all__ = ["apply_remat", "remat_plan", "remove_remat"]
+__all__ = ["apply_remat", "checkpointed_blocks", "remove_remat"]
 
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
@@ -114,7 +114,7 @@ def apply_remat(
     ``MemoryBudget`` without ``regions`` takes its attention and MLP.
 
     Returns:
-        ``model``, changed in place (:func:`~remat_dist.wrap.remat_plan` says
+        ``model``, changed in place (:func:`~remat_dist.wrap.checkpointed_blocks` says
         what was checkpointed).
 
     Raises:
@@ -268,7 +268,7 @@ def remove_remat(model: nn.Module) -> nn.Module:
 
         >>> remat_dist.apply_remat(model, blocks=Block)
         >>> remat_dist.remove_remat(model)
-        >>> remat_dist.wrap.remat_plan(model)
+        >>> remat_dist.wrap.checkpointed_blocks(model)
         {}
     """
     live = blocks_with_live_graphs(model.modules())
@@ -319,7 +319,7 @@ def _forget_compiled(model: nn.Module, caller: str) -> None:
         _dynamo.reset()
 
 
-def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:
+def checkpointed_blocks(model: nn.Module) -> dict[str, BlockRemat]:
     """What :func:`~remat_dist.apply_remat` checkpointed in ``model``.
 
     Args:
@@ -332,8 +332,8 @@ def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:
     Example::
 
         >>> remat_dist.apply_remat(model, blocks=Block, policy={"attention": "save"})
-        >>> plan = remat_dist.wrap.remat_plan(model)
-        >>> plan["layers.0"].regions
+        >>> blocks = remat_dist.wrap.checkpointed_blocks(model)
+        >>> blocks["layers.0"].regions
         {'attention': 'save'}
     """
     return {
@@ -345,4 +345,4 @@ def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:
 
 def checkpointed_names(model: nn.Module) -> list[str]:
     """Qualified names of the checkpointed blocks (for ``shard_model``'s checks)."""
-    return list(remat_plan(model))
+    return list(checkpointed_blocks(model))

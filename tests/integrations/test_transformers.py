@@ -60,7 +60,7 @@ def test_policies_are_bitwise_no_checkpointing_with_blocks_found(family):
         }[name]
         with pytest.warns(UserWarning, match=r"has use_cache=True in its config"):
             remat.apply_remat(model, policy=policy)  # no blocks=: found
-        assert sorted(remat.wrap.remat_plan(model)) == sorted(found.blocks)
+        assert sorted(remat.wrap.checkpointed_blocks(model)) == sorted(found.blocks)
         runs = _run(model, ids)
         for s, ((_, grads, out), (_, ref_grads, ref_out)) in enumerate(zip(runs, ref)):
             assert torch.equal(out.loss, ref_out.loss), (name, s)
@@ -108,7 +108,7 @@ def test_generation_keeps_its_cache_and_remove_remat_removes_the_hooks():
     assert model(input_ids=ids).past_key_values is None  # gradients on: no cache
     remat.remove_remat(model)
     assert model(input_ids=ids).past_key_values is not None
-    assert not remat.wrap.remat_plan(model)
+    assert not remat.wrap.checkpointed_blocks(model)
 
 
 def test_use_cache_true_asked_for_in_a_training_call_is_turned_off_with_a_notice():
@@ -146,14 +146,14 @@ def test_transformers_own_checkpointing_on_is_refused():
         model.gradient_checkpointing_enable()
     with pytest.raises(remat.RematUsageError, match=r"gradient_checkpointing_disable\(\)"):
         remat.apply_remat(model)
-    assert not remat.wrap.remat_plan(model)
+    assert not remat.wrap.checkpointed_blocks(model)
 
 
 def test_explicit_blocks_and_policies_still_work_and_plain_models_need_blocks():
     model = build("mixtral")
     with pytest.warns(UserWarning):
         remat.apply_remat(model, blocks=layout(model).block_classes, policy={"mlp": "save"})
-    assert remat.wrap.remat_plan(model)["model.layers.0"].regions == {"mlp": "save"}
+    assert remat.wrap.checkpointed_blocks(model)["model.layers.0"].regions == {"mlp": "save"}
     with pytest.raises(remat.RematUsageError, match=r"blocks= is required for Linear"):
         remat.apply_remat(torch.nn.Linear(2, 2))
 
