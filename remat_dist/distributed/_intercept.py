@@ -219,7 +219,7 @@ _graph_task_id = _autograd.current_graph_task_id
 class StepHooks:
     """The process-wide step hooks (:func:`set_step_hooks`)."""
 
-    backward: Callable[[], float | None] | None = None
+    backward: Callable[[], None] | None = None
     forward_note: Callable[[tuple[int, ...]], None] | None = None
 
     def reset(self) -> None:
@@ -242,11 +242,11 @@ def _with_timeout(
 
 
 def set_step_hooks(
-    backward: Callable[[], float | None] | None,
+    backward: Callable[[], None] | None,
     forward_note: Callable[[tuple[int, ...]], None] | None = None,
 ) -> None:
     """Run ``backward()`` before every collective issued inside a backward pass (on
-    any thread); a number it returns becomes that collective's timeout (seconds).
+    any thread); the collective itself is issued as it came.
     Run ``forward_note(ranks)`` before every collective issued outside a backward
     and outside any ``observe_collectives`` extent, with the ranks of its group,
     unless it is point-to-point or FSDP2's own. Both stay until reset with None.
@@ -319,9 +319,8 @@ def _make_kernel(spec: _OpSpec) -> Callable[..., Any]:
         backward, forward_note = hooks.backward, hooks.forward_note
         if backward is not None or forward_note is not None:
             if _graph_task_id() != -1:
-                bound = backward() if backward is not None else None
-                if bound is not None and spec.timeout_idx is not None:
-                    args = _with_timeout(spec, args, bound)
+                if backward is not None:
+                    backward()
             elif forward_note is not None and not tls.stack:
                 _note(forward_note, spec, args)
         stack = tls.stack

@@ -243,8 +243,12 @@ def failure_text(
     if late is not None:
         head += (
             f" (this rank came late: rank {late.by} had given up on the round "
-            "before it came; its peers did not meet it on the stake's next group "
-            "either)"
+            "before it came; its peers did not meet it in their next round either)"
+        )
+    elif getattr(f, "late", False):
+        head += (
+            f" (this rank came late: rank {f.by} had given up on the round before "
+            "it came)"
         )
     return (
         f"{head}: they stalled, died, raised earlier in this step, or run another "

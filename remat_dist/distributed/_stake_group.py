@@ -13,37 +13,45 @@ interface selection (``GLOO_SOCKET_IFNAME``, else the address of the host name),
 name resolution and IPv6, so that wherever torch's own gloo groups reach a rank,
 these rounds reach it too. The group is registered nowhere: the user's group
 names, sequence numbers and ``destroy_process_group()`` are untouched, and its
-collectives go to the backend directly, not through the dispatcher (so
-remat_dist's own interception never sees them). Nothing of remat_dist listens on a
-socket of its own; what a round trusts is what the job's store and gloo trust.
+operations go to the backend directly, not through the dispatcher (so
+remat_dist's own interception never sees them). Nothing of remat_dist listens on
+a socket of its own, and no thread of it runs in the background but gloo's
+rendezvous while a group is set up.
 
 Cost: a healthy round is ``log2(n)`` exchanges of a few int64 (two more where
 ``n`` is no power of two), each a ``send`` and a ``recv`` that the calling thread
-posts itself, and no store request. gloo's ``all_reduce`` would cost more: it is
-queued to the group's worker thread and runs a ring of ``2(n-1)`` dependent hops
-(0.25 against 0.09 ms between 2 processes here). The store sees a group's set-up
-(gloo's rendezvous, one key per rank) and the slow or failed rounds only.
+posts itself, and no store request, however long the ranks take to come. The
+store sees a group's set-up (gloo's rendezvous: one key per rank, and one
+``here`` key per rank naming where its gloo listens) and failed rounds only.
 
-Failure. Every wait is bounded (gloo's per-operation timeout, the round's bound):
+Failure (``docs/distributed.md`` draws it as a state machine). Every wait is
+bounded by the round's bound. A rank whose wait ends without the round
+completing (the bound passed, or a partner's connection closed) *gives up*:
 
-* a rank that has waited longer than ``SLOW_S`` (an eighth of the bound for
-  bounds over 2 s) posts its arrival to the store (the watch thread does, while
-  the exchange blocks in ``recv``: a ``recv`` waited on for less than the bound
-  closes gloo's pair);
-* at the bound it posts the abort (``compare_set``: the first rank to give up
-  names the round and the ranks that never posted an arrival), moves the stake to
-  the next generation and drops its gloo group, whose connections close: a
-  partner still waiting on it fails at once, reads the abort and drops its own
-  (so every member raises within its bound);
-* a rank that comes to a round its peers already aborted, and that the abort
-  lists as missing, took no part in it (a ``check_plan_consistency()`` called on
-  one rank only, a rank that stalled past the bound): it runs its round again, on
-  the next generation, where its peers meet it in their next round
-  (:attr:`RoundFailure.late`). A second failure raises.
+1. it posts the generation's abort (``compare_set``: the first rank's stands;
+   it names the round and who gave up) and drops its gloo group, whose
+   connections close: every partner still waiting fails at once;
+2. a rank that fails and finds an abort *claims* the round: it sets its claim
+   key to ``in`` (``compare_set``, so a claim and a mark never both win);
+3. the rank whose abort stood waits for the claims (at 2 ranks a short grace:
+   the other member waits on this rank's connection, which just closed; past 2
+   ranks one more bound, since a member may wait on another partner until its
+   own bound), then marks every member without one ``out`` (``compare_set``)
+   and posts the list of those marked: the ranks that never came;
+4. a rank that finds its claim marked ``out`` took no part in the round (it came
+   after its peers gave up, as a ``check_plan_consistency()`` called on the
+   other ranks only): :attr:`RoundFailure.late`; the caller runs its round
+   again on the stake's next group, where its peers meet it in their next round.
 
-A group that failed is never used again; its generation (a counter per stake in
-the store, moved by the first rank to give up) names the next one, so the ranks
-of a stake meet on the same new group however they learnt of the failure.
+The first rank to give up also moves the stake to the next generation (a
+counter in the store), so every member meets on the same new group however it
+learnt of the failure. Every decision is one atomic store operation that every
+member reads alike: a claim and a mark cannot both succeed. Errors are told
+apart by the store and the clock, never by gloo's message text: an abort in the
+store means a peer gave up; none, at the bound, means this rank gives up; none
+before it means a partner closed its connection unannounced (it exited or died).
+A generation's keys are taken back by its members at the first round that
+completes on the next one, when no member can need them any more.
 """
 
 from __future__ import annotations
@@ -56,7 +64,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from math import inf
 from typing import Any, NamedTuple
 
 import torch
@@ -74,24 +81,27 @@ __all__ = [
 
 log = get_logger(__name__)
 
-SLOW_S = 0.25
-"""The shortest wait after which a rank posts its arrival to the store and looks
-there for an abort; a round whose bound is over 2 s waits an eighth of it (a
-healthy group arrives within milliseconds; a loaded machine should not turn
-every round into store traffic)."""
+GRACE_S = 0.5
+"""How long the rank whose abort stood waits for the members still in the round
+to claim it before it marks the others absent. Members blocked in the round
+learn of the abort at once (their connections close), so this only decides the
+ranks that come just as their peers give up."""
+
+_SETUP = -1
+"""The round number of a group's set-up (its claim key is ``here``)."""
 
 
 class RoundFailure(Exception):
     """A round, or the set-up of its group, did not complete on this rank.
 
-    ``reason``: ``"timeout"`` (this rank gave up), ``"aborted"`` (rank ``by`` gave
-    up first), ``"closed"`` (a partner's connection closed with no abort posted:
-    it exited or died), ``"out of step"`` (the ranks ran different rounds),
-    ``"setup"`` (the gloo group could not be made: ``detail`` says who could not
-    reach whom). ``missing``: the ranks that never arrived, where known.
-    ``late``: the round was aborted before this rank came to it (it is listed
-    missing), so this rank took no part in it and may run its round again on the
-    next generation.
+    ``reason``: ``"timeout"`` (this rank gave up at the bound), ``"aborted"``
+    (rank ``by`` gave up first), ``"closed"`` (a partner's connection closed with
+    no abort posted: it exited or died), ``"out of step"`` (the ranks ran
+    different rounds), ``"setup"`` (the gloo group could not be made: the text
+    says who could not reach whom). ``missing``: the ranks that never came to the
+    round, where known. ``late``: this rank came after its peers had given up on
+    the round (it is marked absent), so it took no part in it and may run its
+    round again on the next generation.
     """
 
     def __init__(
@@ -110,23 +120,44 @@ class RoundFailure(Exception):
         self.late = late
 
 
+class _Abort(NamedTuple):
+    """A generation's abort as the store holds it."""
+
+    seq: int
+    by: int
+    reason: str
+
+    def encode(self) -> str:
+        return f"{self.seq}:{self.by}:{self.reason}"
+
+    @staticmethod
+    def decode(raw: bytes) -> _Abort:
+        seq, by, reason = raw.decode().split(":", 2)
+        return _Abort(int(seq), int(by), reason)
+
+
 class StakeGroup:
     """One generation of a stake's gloo group and the rounds on it.
 
     ``ranks``: the stake's sorted global ranks (``rank`` is this process's);
     ``base``: the stake's key in ``store`` (the same on every member); the group
-    of generation ``gen`` lives under ``{base}/{gen}``. Every member must run the
-    same rounds in the same order. Counters: ``rounds``, ``store_requests``,
+    of generation ``gen`` lives under ``{base}/{gen}``. ``stale``: the oldest
+    earlier generation whose keys this member has not taken back (they are, at
+    this group's first completed round). Every member must run the same rounds
+    in the same order. Counters: ``rounds``, ``store_requests``,
     ``last_round_s`` (from the round's post to its end), ``last_wait_s`` (the
     part spent in :meth:`PostedMax.finish`).
     """
 
     def __init__(
-        self, ranks: Sequence[int], rank: int, store: Any, base: str, gen: int
+        self,
+        ranks: Sequence[int],
+        rank: int,
+        store: Any,
+        base: str,
+        gen: int,
+        stale: int | None = None,
     ) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
         self.ranks = tuple(ranks)
         self.rank = rank
         self.index = self.ranks.index(rank)
@@ -134,15 +165,16 @@ class StakeGroup:
         self.base = base
         self.gen = gen
         self.key = f"{base}/{gen}"
+        self.stale = gen if stale is None else stale
         self.seq = 0
+        self.bound = 0.0
+        """The bound of the current operation (seconds)."""
         self.rounds = 0
         self.store_requests = 0
         self.last_round_s = 0.0
         self.last_wait_s = 0.0
         self.broken = False
         self._pg: Any = None
-        self._posted: list[str] = []
-        self._store_lock = threading.Lock()
         self.missed: RoundFailure | None = None
         """The abort of an earlier generation this rank never took part in (its
         ranks gave up on it before this rank came), where one is known."""
@@ -151,11 +183,15 @@ class StakeGroup:
     def _group(self, timeout: float) -> Any:
         if self._pg is not None:
             return self._pg
-        dist = self._dist
+        import torch.distributed as dist
+
         abort = self._read_abort()
         if abort is not None:  # its ranks gave up on it before this rank came
-            raise self._aborted(abort)
-        self._post(f"{self.key}/here/{self.index}", _where())
+            raise self._learn(abort)
+        claimed = self._quiet("compare_set", self._claim(_SETUP, self.index), "", _where())
+        if claimed == b"out":
+            raise self._learn(self._read_abort() or _Abort(_SETUP, -1, "timeout"))
+        deadline = time.monotonic() + timeout
         made: dict[str, Any] = {}
 
         def make() -> None:
@@ -169,62 +205,50 @@ class StakeGroup:
             except RuntimeError as e:
                 made["error"] = e
 
-        # gloo's rendezvous may wait longer than the bound where a peer cannot
-        # reach this rank (its dials are retried): it runs on a thread of its
-        # own while this one watches the store for a peer's abort and the bound
-        maker = threading.Thread(
-            target=make, name="remat_dist-stake-setup", daemon=True
-        )
+        # gloo retries its dials past its timeout where a peer's address cannot
+        # be reached: the rendezvous runs on a thread of its own (the only one
+        # remat_dist starts, and only while a group is set up), so that this
+        # rank gives up at the bound
+        maker = threading.Thread(target=make, name="remat_dist-setup", daemon=True)
         maker.start()
-        every = _every(timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            maker.join(every)
-            if not maker.is_alive():
-                break
-            abort = self._read_abort()
-            if abort is not None:
-                raise self._aborted(abort)
-            if time.monotonic() >= deadline:
-                if self._absent("here"):
-                    raise self._give_up(_SETUP, timeout)
-                stalled = RuntimeError(
-                    f"its connections did not complete within {timeout:g} s"
-                )
-                raise self._setup_failure(stalled, timeout)
+        maker.join(timeout)
+        if maker.is_alive():
+            stalled = RuntimeError(f"its connections did not complete within {timeout:g} s")
+            raise self._setup_failed(stalled, deadline)
         if "error" in made:
-            raise self._setup_failure(made["error"], timeout) from None
+            raise self._setup_failed(made["error"], deadline) from None
         self._pg = made["pg"]
         return self._pg
 
-    def _setup_failure(self, error: RuntimeError, timeout: float) -> RoundFailure:
-        """gloo's rendezvous failed: the ranks that never came (no ``here`` key)
-        are missing; if every rank came, some could not connect (the first rank
-        to find it posts why, for the others to say too). An error of this rank's
-        own (an interface gloo cannot use) is a set-up failure whoever came."""
-        text = str(error).lower()
-        if ("timed out" in text or "timeout" in text) and self._absent("here"):
-            return self._give_up(_SETUP, timeout)
+    def _setup_failed(self, error: RuntimeError, deadline: float) -> RoundFailure:
+        """gloo's rendezvous failed: a peer gave up (its abort), some never came
+        (the bound passed with members unclaimed), or every rank came and some
+        could not connect (the first rank to find it posts why, for the others
+        to say too). An error of this rank's own (an interface gloo cannot use)
+        is a set-up failure whoever came."""
+        abort = self._read_abort()
+        if abort is not None:
+            return self._learn(abort)
+        if time.monotonic() >= deadline and self._unclaimed(_SETUP):
+            return self._give_up(_SETUP, "timeout", deadline)
         where = {}
         for i, r in enumerate(self.ranks):
-            got = self._quiet("get", f"{self.key}/here/{i}")
-            where[r] = got.decode() if got else "?"
+            got = self._quiet("get", self._claim(_SETUP, i)) if self._has(
+                self._claim(_SETUP, i)
+            ) else None
+            where[r] = got.decode() if got else "did not come"
         peers = "; ".join(f"rank {r}: {w}" for r, w in sorted(where.items()))
         why = (
             f"rank {self.rank} could not connect the gloo group of ranks "
-            f"{list(self.ranks)}: every rank came, but gloo said: "
-            f"{_first_line(error)}. Where each rank's gloo listens: {peers}. Fix: "
-            "make every rank reach the others over the interface gloo picks: set "
-            "GLOO_SOCKET_IFNAME to the interface that joins the hosts (the one "
-            "torch's own gloo groups use), or map this host's name to a reachable "
-            "address in /etc/hosts (not 127.0.1.1), and allow TCP between the "
-            "hosts on gloo's ports"
+            f"{list(self.ranks)}: gloo said: {_first_line(error)}. Where each "
+            f"rank's gloo listens: {peers}. Fix: make every rank reach the others "
+            "over the interface gloo picks: set GLOO_SOCKET_IFNAME to the interface "
+            "that joins the hosts (the one torch's own gloo groups use), or map "
+            "this host's name to a reachable address in /etc/hosts (not "
+            "127.0.1.1), and allow TCP between the hosts on gloo's ports"
         )
         self._quiet("compare_set", f"{self.key}/why", "", why)
-        won = self._post_abort(_SETUP, [])
-        if won is not None and won[1] != self.rank:
-            return self._aborted(won)
-        return RoundFailure("setup", why)
+        return self._give_up(_SETUP, "setup", deadline)
 
     # -- rounds
     def post_max(self, values: Sequence[int], timeout: float) -> PostedMax:
@@ -234,11 +258,11 @@ class StakeGroup:
         :meth:`PostedMax.finish` completes it. Where every member posts before
         any finishes, the first exchange (the whole round at 2 ranks) travels
         while the members compute."""
-        seq = self._next_operation()
+        seq = self._next_operation(timeout)
         try:
             return PostedMax(self, self._group(timeout), seq, values, timeout)
         except BaseException:
-            self._fail()
+            self.close()
             raise
 
     def reduce_max(self, values: Sequence[int], timeout: float) -> list[int]:
@@ -253,25 +277,30 @@ class StakeGroup:
         mine = torch.zeros(n + 4, dtype=torch.uint8)
         mine[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         outs = [torch.empty_like(mine) for _ in self.ranks]
-        seq = self._next_operation()
+        seq = self._next_operation(timeout)
         t0 = time.monotonic()
         try:
-            work = self._group(timeout).allgather(outs, mine, timedelta(seconds=timeout))
-            self._wait(work, _Round(seq, t0 + timeout, timeout))
+            # gloo ends the operation itself at its timeout
+            bound = timedelta(seconds=timeout)
+            self._group(timeout).allgather(outs, mine, bound).wait(bound)
+        except RuntimeError as e:
+            raise self._failed(seq, t0 + timeout) from e
         except BaseException:
-            self._fail()
+            self.close()
             raise
+        self._completed()
         self.last_round_s = time.monotonic() - t0
         got = {}
         for r, t in zip(self.ranks, outs, strict=True):
-            raw = t.numpy().tobytes()
+            raw = bytes(t.tolist())
             got[r] = raw[4 : 4 + int.from_bytes(raw[:4], "big")]
         return got
 
-    def _next_operation(self) -> int:
+    def _next_operation(self, timeout: float) -> int:
         """Number the next operation of a round (all members number alike)."""
         if self.broken:
             raise RoundFailure("closed", "this group failed earlier")
+        self.bound = timeout
         self.seq += 1
         self.rounds += 1
         return self.seq - 1
@@ -298,138 +327,177 @@ class StakeGroup:
             steps.append(_Exchange(i + p, send=1, recv=None, combine=None))
         return steps
 
-    def _wait(self, work: Any, rnd: _Round) -> None:
-        """Wait for an operation of gloo's worker thread (``all_gather``): waits of
-        ``every`` seconds, posting the arrival and reading the abort between them."""
-        seq, end, timeout = rnd
-        every = _every(timeout)
-        posted = False
-        while True:
-            try:
-                work.wait(timedelta(seconds=every))
-                return
-            except RuntimeError as e:
-                if str(e) != _STILL_WAITING:  # gloo's own error
-                    raise self._gloo_failure(e, seq, timeout) from None
-            if time.monotonic() > end + 2 * every:  # gloo should have raised
-                _RETIRED.append((self._pg, work))
-                self._pg = None
-                raise self._give_up(seq, timeout)
-            if not posted:
-                self.post_arrival(seq)
-                posted = True
-            abort = self._read_abort()
-            if abort is not None:
-                _RETIRED.append((self._pg, work))  # its op ends at gloo's timeout
-                self._pg = None
-                raise self._aborted(abort)
+    def _completed(self) -> None:
+        """A round completed on this group: every member has left the earlier
+        generations behind, so this member takes back its keys of them."""
+        if self.stale < self.gen:
+            self._take_back(self.stale, self.gen)
+            self.stale = self.gen
 
-    def post_arrival(self, seq: int) -> None:
-        """Say in the store that this rank came to round ``seq`` (a rank that gives
-        up names those that did not)."""
-        self._post(f"{self.key}/arr/{seq}/{self.index}", "1")
-
-    def _spent(self, error: RuntimeError, seq: int, timeout: float) -> RoundFailure:
-        """gloo raised in round ``seq``: what failed, after which the group is
-        spent."""
-        failure = self._gloo_failure(error, seq, timeout)
-        self._fail()
-        return failure
-
-    def _gloo_failure(
-        self, error: RuntimeError, seq: int, timeout: float
-    ) -> RoundFailure:
-        if "timed out" in str(error).lower():
-            return self._give_up(seq, timeout)
-        # a partner's connection closed: it gave up (read why) or went away
-        abort = self._read_abort(grace=min(1.0, SLOW_S * 4))
+    # -- failure: the abort, claims and marks (module docstring)
+    def _failed(self, seq: int, deadline: float) -> RoundFailure:
+        """Round ``seq`` did not complete here (gloo raised): a peer's abort is
+        learnt; without one, this rank gives up (at the bound: ``timeout``;
+        before it: a partner closed its connection unannounced)."""
+        abort = self._read_abort()
         if abort is not None:
-            return self._aborted(abort)
-        return RoundFailure(
-            "closed",
-            f"a partner's connection closed in {_round_text(seq)} with no abort "
-            f"posted: it exited or died (gloo said: {_first_line(error)})",
-        )
+            return self._learn(abort)
+        # gloo ends a wait at its timeout in whole milliseconds
+        reason = "timeout" if time.monotonic() >= deadline - 0.05 else "closed"
+        return self._give_up(seq, reason, deadline)
 
-    def _give_up(self, seq: int, timeout: float) -> RoundFailure:
-        """The bound passed on this rank: post the abort naming the ranks that
-        never arrived, or read the one another rank posted first."""
-        missing = self._absent("here" if seq == _SETUP else f"arr/{seq}")
-        won = self._post_abort(seq, missing)
-        if won is not None and won[1] != self.rank:
-            return self._aborted(won)
+    def _give_up(self, seq: int, reason: str, deadline: float) -> RoundFailure:
+        """Post the abort of this generation; where it stands, close the group,
+        wait the grace for the members still in the round to claim it, mark the
+        others absent and post them; else learn the abort that stood."""
+        mine = _Abort(seq, self.rank, reason).encode()
+        stood = self._quiet("compare_set", f"{self.key}/abort", "", mine)
+        self._next_generation()
+        if stood is None:  # the store is gone: the job is ending
+            self.close()
+            return RoundFailure(reason, f"{_round_text(seq)} failed and the store is gone")
+        abort = _Abort.decode(stood)
+        if abort.by != self.rank or abort.seq != seq:
+            return self._learn(abort)
+        self.close()  # partners waiting on this group fail at once
+        missing = self._mark_absent(seq)
+        self._quiet("set", f"{self.key}/missing", json.dumps(missing))
+        if reason == "setup":
+            why = self._quiet("get", f"{self.key}/why")
+            return RoundFailure("setup", why.decode() if why else "the set-up failed")
         what = (
             f"the gloo group of ranks {list(self.ranks)} was not set up"
             if seq == _SETUP
             else f"{_round_text(seq)} did not complete"
         )
-        return RoundFailure("timeout", f"{what} within {timeout:g} s", missing=missing)
+        if reason == "closed":
+            return RoundFailure(
+                "closed",
+                f"a partner's connection closed in {_round_text(seq)} with no abort "
+                "posted: it exited or died",
+                missing=missing,
+            )
+        return RoundFailure("timeout", f"{what} within the bound", missing=missing)
 
-    # -- the store, on set-up and slow paths only
-    def _quiet(self, op: str, *args: Any) -> Any:
-        """A store request; None where the store is gone too (the job ends)."""
-        with self._store_lock:  # the watch thread posts arrivals too
-            self.store_requests += 1
-            try:
-                return getattr(self.store, op)(*args)
-            except Exception:  # noqa: BLE001
-                return None
-
-    def _post(self, key: str, value: str) -> None:
-        self._quiet("set", key, value)
-        self._posted.append(key)
-
-    def _read_abort(self, grace: float = 0.0) -> tuple[int, int, list[int]] | None:
-        key = f"{self.key}/abort"
-        end = time.monotonic() + grace
-        while True:
-            if self._quiet("check", [key]):
-                got = self._quiet("get", key)
-                return None if got is None else _parse_abort(got)
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.02)
-
-    def _absent(self, kind: str) -> list[int]:
-        """The other members without a ``{kind}/{index}`` key (set-up: ``here``;
-        an arrival in round ``seq``: ``arr/{seq}``)."""
-        return [
-            r
-            for i, r in enumerate(self.ranks)
-            if i != self.index and not self._quiet("check", [f"{self.key}/{kind}/{i}"])
-        ]
-
-    def _post_abort(
-        self, seq: int, missing: list[int]
-    ) -> tuple[int, int, list[int]] | None:
-        """Post this generation's abort (the first rank's wins: returned) and
-        move the stake to the next generation."""
-        mine = f"{seq}:{self.rank}:{json.dumps(missing)}"
-        won = self._quiet("compare_set", f"{self.key}/abort", "", mine)
-        expected = "" if self.gen == 0 else str(self.gen)
-        self._quiet("compare_set", f"{self.base}/gen", expected, str(self.gen + 1))
-        return None if won is None else _parse_abort(won)
-
-    def _aborted(self, abort: tuple[int, int, list[int]]) -> RoundFailure:
-        """The failure of a round that rank ``abort[1]`` gave up on first (a
-        set-up that could not connect: its words)."""
-        if abort[0] == _SETUP and not abort[2]:
+    def _learn(self, abort: _Abort) -> RoundFailure:
+        """A peer's abort of this generation stands: claim its round (or find this
+        rank marked absent: late), close the group, read who never came."""
+        got = self._quiet("compare_set", self._claim(abort.seq, self.index), "", "in")
+        late = got == b"out"
+        self.close()
+        missing = self._read_missing()
+        if abort.reason == "setup":  # a rank could not connect: late or not
             why = self._quiet("get", f"{self.key}/why")
             return RoundFailure("setup", why.decode() if why else "the set-up failed")
-        return _aborted(abort, self.rank)
+        return RoundFailure(
+            "aborted",
+            f"rank {abort.by} gave up waiting in {_round_text(abort.seq)}",
+            missing=missing,
+            by=abort.by,
+            late=late,
+        )
+
+    def _claim_wait(self) -> float:
+        """How long the members of a failed round may take to claim it. At 2
+        ranks the other member waits on this rank's connection, which closes with
+        the abort: it learns at once. Past 2 ranks a member may wait on another
+        partner's connection until its own bound."""
+        return GRACE_S if len(self.ranks) == 2 else self.bound + GRACE_S
+
+    def _mark_absent(self, seq: int) -> list[int]:
+        """Once every other member claimed round ``seq`` or the claim wait passed,
+        mark those that did not absent; the members so marked."""
+        others = [i for i in range(len(self.ranks)) if i != self.index]
+        end = time.monotonic() + self._claim_wait()
+        while time.monotonic() < end and not all(
+            self._has(self._claim(seq, i)) for i in others
+        ):
+            time.sleep(0.01)
+        missing = []
+        for i in others:
+            got = self._quiet("compare_set", self._claim(seq, i), "", "out")
+            if got == b"out":
+                missing.append(self.ranks[i])
+        return missing
+
+    def _read_missing(self) -> list[int] | None:
+        """The members the giver marked absent (None: it did not post them within
+        the grace and a second: it died too)."""
+        key = f"{self.key}/missing"
+        end = time.monotonic() + self._claim_wait() + 1.0
+        while True:
+            if self._has(key):
+                got = self._quiet("get", key)
+                return None if got is None else json.loads(got.decode())
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.01)
+
+    def _next_generation(self) -> None:
+        expected = "" if self.gen == 0 else str(self.gen)
+        self._quiet("compare_set", f"{self.base}/gen", expected, str(self.gen + 1))
 
     def abort_of(self, gen: int) -> RoundFailure | None:
         """The abort of the stake's generation ``gen`` as this rank would have met
-        it, where it names this rank among the missing."""
-        got = (
-            self._quiet("get", f"{self.base}/{gen}/abort")
-            if self._quiet("check", [f"{self.base}/{gen}/abort"])
-            else None
-        )
-        if got is None:
+        it, where it marks this rank absent (None otherwise)."""
+        key = f"{self.base}/{gen}/abort"
+        raw = self._quiet("get", key) if self._has(key) else None
+        if raw is None:
             return None
-        failure = _aborted(_parse_abort(got), self.rank)
-        return failure if failure.late else None
+        abort = _Abort.decode(raw)
+        mine = f"{self.base}/{gen}/{_claim_name(abort.seq)}/{self.index}"
+        if self._quiet("compare_set", mine, "", "in") != b"out":
+            return None
+        missing_key = f"{self.base}/{gen}/missing"
+        missing = self._quiet("get", missing_key) if self._has(missing_key) else None
+        return RoundFailure(
+            "aborted",
+            f"rank {abort.by} gave up waiting in {_round_text(abort.seq)}",
+            missing=json.loads(missing.decode()) if missing else None,
+            by=abort.by,
+            late=True,
+        )
+
+    # -- the store, on set-up and failure only
+    def _claim(self, seq: int, index: int) -> str:
+        return f"{self.key}/{_claim_name(seq)}/{index}"
+
+    def _quiet(self, op: str, *args: Any) -> Any:
+        """A store request; None where the store is gone too (the job ends)."""
+        self.store_requests += 1
+        try:
+            return getattr(self.store, op)(*args)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _has(self, key: str) -> bool:
+        return bool(self._quiet("check", [key]))
+
+    def _read_abort(self) -> _Abort | None:
+        key = f"{self.key}/abort"
+        if not self._has(key):
+            return None
+        raw = self._quiet("get", key)
+        return None if raw is None else _Abort.decode(raw)
+
+    def _unclaimed(self, seq: int) -> bool:
+        return any(
+            not self._has(self._claim(seq, i))
+            for i in range(len(self.ranks))
+            if i != self.index
+        )
+
+    def _take_back(self, first: int, end: int) -> None:
+        """Delete this member's keys of generations ``first`` to ``end - 1`` (and,
+        on member 0, the keys they share)."""
+        for gen in range(first, end):
+            key = f"{self.base}/{gen}"
+            mine = [f"{key}/here/{self.index}", f"{key}/in/{self.index}"]
+            mine += [f"{key}/gloo/{d}/{self.index}" for d in range(_gloo_devices())]
+            if self.index == 0:
+                mine += [f"{key}/abort", f"{key}/missing", f"{key}/why"]
+            for k in mine:
+                self._quiet("delete_key", k)
 
     # -- teardown
     def close(self) -> None:
@@ -437,15 +505,6 @@ class StakeGroup:
         the group is spent. No store request: at exit the store may be gone."""
         self.broken = True
         self._pg = None
-
-    def _fail(self) -> None:
-        """A round or the set-up failed here: take back this rank's keys of this
-        generation (its ``here`` and arrivals; the abort stays for late ranks),
-        then close."""
-        for key in self._posted:
-            self._quiet("delete_key", key)
-        self._posted.clear()
-        self.close()
 
 
 def current_generation(store: Any, base: str) -> int:
@@ -459,12 +518,10 @@ def current_generation(store: Any, base: str) -> int:
 
 
 class _Round(NamedTuple):
-    """One operation of a round: its number, when its bound ends (monotonic) and
-    the bound."""
+    """One operation of a round: its number, when its bound ends (monotonic)."""
 
     seq: int
     end: float
-    timeout: float
 
     def left(self) -> timedelta:
         """What is left of the bound, for a gloo wait (at least 1 ms)."""
@@ -489,11 +546,10 @@ def _maximum(mine: torch.Tensor, got: torch.Tensor) -> None:
 class PostedMax:
     """A max round whose first exchange is posted (:meth:`StakeGroup.post_max`).
 
-    Every ``send``/``recv`` is posted from the calling thread and each ``recv``
-    is waited on once, to the bound (a shorter wait closes gloo's pair), so the
-    arrival of a rank that waits long is posted by the watch thread. The bound
-    runs from :meth:`finish`, where this rank starts to wait, not from the post:
-    what the rank computes in between is not a wait."""
+    Every ``send``/``recv`` is posted from the calling thread and each is waited
+    on once, to the bound. The bound runs from :meth:`finish`, where this rank
+    starts to wait, not from the post: what the rank computes in between is not
+    a wait."""
 
     def __init__(
         self, group: StakeGroup, pg: Any, seq: int, values: Sequence[int], timeout: float
@@ -503,14 +559,17 @@ class PostedMax:
         self.got = torch.empty_like(self.mine)
         self.steps = group.exchanges()
         self.t0 = time.monotonic()
-        self.first = self._post(self.steps[0]) if self.steps else ()
+        self.first = (
+            self._post(self.steps[0], self.t0 + timeout) if self.steps else ()
+        )
 
-    def _post(self, step: _Exchange) -> tuple[Any, ...]:
+    def _post(self, step: _Exchange, deadline: float) -> tuple[Any, ...]:
+        pg = self.pg
         try:
-            sent = () if step.send is None else (self.pg.send([self.mine], step.peer, step.send),)
-            got = () if step.recv is None else (self.pg.recv([self.got], step.peer, step.recv),)
+            sent = () if step.send is None else (pg.send([self.mine], step.peer, step.send),)
+            got = () if step.recv is None else (pg.recv([self.got], step.peer, step.recv),)
         except RuntimeError as e:
-            raise self.group._spent(e, self.seq, self.timeout) from None
+            raise self.group._failed(self.seq, deadline) from e
         return got + sent
 
     def finish(self) -> list[int]:
@@ -518,104 +577,23 @@ class PostedMax:
         turn); the element-wise maximum."""
         group = self.group
         start = time.monotonic()
-        rnd = _Round(self.seq, start + self.timeout, self.timeout)
-        _ARRIVALS.enter(group, rnd)
+        rnd = _Round(self.seq, start + self.timeout)
         try:
             for k, step in enumerate(self.steps):
-                works = self.first if k == 0 else self._post(step)
+                works = self.first if k == 0 else self._post(step, rnd.end)
                 for work in works:
                     work.wait(rnd.left())
                 if step.combine is not None:
                     step.combine(self.mine, self.got)
         except RuntimeError as e:
-            raise group._spent(e, self.seq, self.timeout) from None
+            raise group._failed(self.seq, rnd.end) from e
         except BaseException:
-            group._fail()
+            group.close()
             raise
-        finally:
-            _ARRIVALS.leave(group)
+        group._completed()
         end = time.monotonic()
         group.last_round_s, group.last_wait_s = end - self.t0, end - start
         return self.mine.tolist()
-
-
-def _every(timeout: float) -> float:
-    """How long a rank waits in a round before it posts its arrival."""
-    return min(timeout / 4, max(SLOW_S, timeout / 8))
-
-
-class _ArrivalWatch:
-    """Posts the arrival of a rank that waits long in a round's exchange.
-
-    The exchange blocks in gloo's ``recv`` for the whole bound (a shorter wait
-    closes gloo's pair), so the post is made by this one daemon thread: it sleeps
-    while no round waits, wakes once per round at most (at its ``every`` mark) and
-    posts if that round is still waiting. A healthy round costs the calling thread
-    two dictionary updates under a lock, and a wake-up of the thread only where
-    it sleeps past the round's mark (the first round after an idle spell)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._waiting: dict[int, tuple[StakeGroup, int, float]] = {}
-        self._next = float("inf")
-        """When the thread wakes next (inf: it sleeps until a round comes)."""
-        self._thread: threading.Thread | None = None
-
-    def enter(self, group: StakeGroup, rnd: _Round) -> None:
-        due = time.monotonic() + _every(rnd.timeout)
-        with self._lock:
-            self._waiting[id(group)] = (group, rnd.seq, due)
-            if due < self._next:  # the thread sleeps past this round's mark
-                self._next = due
-                self._wake.set()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="remat_dist-arrivals", daemon=True
-                )
-                self._thread.start()
-
-    def leave(self, group: StakeGroup) -> None:
-        with self._lock:
-            self._waiting.pop(id(group), None)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                due = [w for w in self._waiting.values() if w[2] <= now]
-                for group, _, _ in due:
-                    self._waiting.pop(id(group), None)
-                self._next = min((w[2] for w in self._waiting.values()), default=inf)
-                self._wake.clear()
-            for group, seq, _ in due:
-                group.post_arrival(seq)
-            nxt = self._next
-            self._wake.wait(None if nxt == inf else max(nxt - time.monotonic(), 0))
-
-
-_ARRIVALS = _ArrivalWatch()
-
-
-_RETIRED: list[tuple[Any, Any]] = []
-"""Groups dropped while an operation of theirs was still pending (the abort was
-read from the store before gloo's timeout): a gloo group's destructor waits for
-its pending operations, so they are released once those have ended."""
-
-
-def release_retired(wait: bool = False) -> None:
-    """Release the retired groups whose pending operation ended (all of them,
-    waiting for their operations, with ``wait``)."""
-    keep = []
-    for pg, work in _RETIRED:
-        if wait or work.is_completed():
-            try:
-                work.wait()
-            except RuntimeError:
-                pass
-        else:
-            keep.append((pg, work))
-    _RETIRED[:] = keep
 
 
 _WORDS = 6
@@ -623,30 +601,22 @@ _WORDS = 6
 tag, its negation, two words and theirs): ranks that ran different rounds still
 issue operations of one shape, and the tags tell them apart."""
 
-_SETUP = -1
-"""The round number of a group's set-up (in keys: ``here``)."""
-_STILL_WAITING = "Operation timed out!"
-"""What ``Work.wait(timeout)`` raises while the operation is still running."""
+
+def _claim_name(seq: int) -> str:
+    """The key under which the members claim round ``seq`` of a generation (each
+    generation has at most one failed round: it ends the generation)."""
+    return "here" if seq == _SETUP else "in"
+
+
+def _gloo_devices() -> int:
+    """How many gloo devices a group has (one per interface named in
+    ``GLOO_SOCKET_IFNAME``): gloo's rendezvous keeps one key per device and rank."""
+    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    return max(1, len([n for n in names.split(",") if n]))
 
 
 def _round_text(seq: int) -> str:
     return "the group's set-up" if seq == _SETUP else f"round {seq}"
-
-
-def _parse_abort(raw: bytes) -> tuple[int, int, list[int]]:
-    seq, by, missing = raw.decode().split(":", 2)
-    return int(seq), int(by), json.loads(missing)
-
-
-def _aborted(abort: tuple[int, int, list[int]], rank: int) -> RoundFailure:
-    a_seq, by, missing = abort
-    return RoundFailure(
-        "aborted",
-        f"rank {by} gave up waiting in {_round_text(a_seq)}",
-        missing=missing,
-        by=by,
-        late=rank in missing,
-    )
 
 
 def _where() -> str:

@@ -65,7 +65,6 @@ from remat_dist.distributed._stake_group import (
     all_equal,
     check_tag,
     current_generation,
-    release_retired,
     stake_base,
     tagged_words,
 )
@@ -82,8 +81,12 @@ __all__ = [
 
 log = get_logger(__name__)
 
-REPLAY_TIMEOUT_S = 20.0
-"""Default bound (seconds) for an agreement, a report, and each replayed collective."""
+REPLAY_TIMEOUT_S = 300.0
+"""Default bound (seconds) for an agreement, a report, and each collective a replay
+re-issues: torchtitan's default for a job's first collectives, under torch's own
+10-minute default, so that remat_dist's error comes before NCCL's watchdog ends
+the job, and long enough for a first backward at scale (communicators created
+lazily, a straggling rank, checkpoint I/O on one rank)."""
 
 _queue_callback = _autograd.queue_callback
 _graph_task_id = _autograd.current_graph_task_id
@@ -98,11 +101,24 @@ _KINDS = {
 }
 
 
-def set_replay_timeout(seconds: float) -> None:
-    """Bound (seconds) for the ranks at stake to reach an agreement or report, and
-    for each collective of a backward that replays; past it, each rank raises
-    instead of waiting. Call it on every rank before training."""
-    _PROCESS.timeout = float(seconds)
+def set_replay_timeout(seconds: float | None) -> None:
+    """Set the bound on what remat_dist issues in backward.
+
+    The bound applies to the rounds remat_dist runs among the ranks of a process
+    group whose collectives a replay re-issues (the plan agreement and the
+    end-of-backward report), and to each collective a replay re-issues. Past it,
+    each rank raises instead of waiting. Every other collective of the step
+    (FSDP2's, DDP's, pipeline send/recv, a hook's) keeps its process group's
+    timeout.
+
+    Args:
+        seconds: the bound; ``None`` restores the default (300 s).
+
+    Example::
+
+        remat_dist.set_replay_timeout(60.0)  # on every rank, before training
+    """
+    _PROCESS.timeout = REPLAY_TIMEOUT_S if seconds is None else float(seconds)
 
 
 def replay_timeout() -> float:
@@ -254,10 +270,10 @@ class StepState:
         self._hooks()
 
     # -- backward
-    def in_backward(self) -> float | None:
-        """Before every collective of a backward: agree if this graph task has not;
-        returns the bound (seconds) for the collective, None when nothing of this
-        graph task is at stake."""
+    def in_backward(self) -> None:
+        """Before every collective of a backward: agree if this graph task has not
+        (the collective itself keeps its group's timeout: only what a replay
+        re-issues carries the bound, set by the replay's verifier)."""
         task = self.task
         if task is None or task.id != _graph_task_id() or task.posted:
             with self._lock:  # backward may run on several engine threads
@@ -265,7 +281,6 @@ class StepState:
                 if task is None or task.id != _graph_task_id():
                     task = self._begin()
                 self._finish_agreements(task)
-        return _PROCESS.timeout if task.report else None
 
     def replay_starts(self, stakes: tuple[Stake, ...]) -> None:
         """A replay of a checkpoint at stake on ``stakes`` starts: if this graph
@@ -360,10 +375,11 @@ class StepState:
     def _make_group(self, state: _StakeState) -> StakeGroup:
         """The stake's group of the current generation (read from the store: the
         first group, or the next after a failure)."""
-        release_retired()
-        expected = 0 if state.group is None else state.group.gen + 1
+        previous = state.group
+        expected = 0 if previous is None else previous.gen + 1
         gen = current_generation(self.store, state.base)
-        group = StakeGroup(state.ranks, self.rank, self.store, state.base, gen)
+        stale = None if previous is None else previous.stale
+        group = StakeGroup(state.ranks, self.rank, self.store, state.base, gen, stale)
         group.store_requests += 1
         if gen > expected:  # its ranks gave up on a group this rank never joined
             group.missed = group.abort_of(gen - 1)
@@ -388,9 +404,12 @@ class StepState:
     ) -> Any:
         """Run ``fn(group)`` as this stake's next round (``first``: the group it
         was posted on, whether that group was new, and the post's finish, for the
-        first try). A rank that finds the round aborted before it came (it took
-        no part in it) runs it again on the stake's next group, where its peers
-        meet it in their next round."""
+        first try). A rank that finds an agreement or a check given up before it
+        came (it took no part in it: its forward raised, or it called no check)
+        runs it again on the stake's next group, where its peers meet it in their
+        next round. A report is not run again: a rank reaches its report only
+        after taking part in the same backward's agreement, so one late to it
+        stalled in that backward; its peers dropped the step, and so does it."""
         late: RoundFailure | None = None
         for attempt in range(2):
             if attempt == 0 and first is not None:
@@ -405,7 +424,7 @@ class StepState:
             except RoundFailure as f:
                 if late is not None:
                     f.came_late = late  # type: ignore[attr-defined]
-                if not f.late or late is not None:
+                if not f.late or late is not None or kind == _REPORT:
                     raise
                 late = f
                 log.info(
@@ -490,9 +509,11 @@ class StepState:
         state.noted = False
         if state.agreements == 0:
             log.info(
-                "ranks %s are at stake (replays re-issue collectives on them): one "
-                "plan agreement and one end-of-backward report per step on a gloo "
-                "group of these ranks",
+                "ranks %s are at stake (replays re-issue collectives on them): each "
+                "backward pass that replays on them runs one plan agreement and one "
+                "end-of-backward report on a gloo group of these ranks (one per "
+                "micro-batch under pipeline schedules, one per backward half under "
+                "split backward)",
                 list(stake),
             )
         state.agreements += 1
@@ -656,7 +677,6 @@ def release_process_state() -> None:
     """Drop the stakes' gloo groups and the dispatch hooks (at interpreter exit,
     while the interpreter is whole: a gloo group freed in finalization aborts)."""
     _PROCESS.close()
-    release_retired(wait=True)
 
 
 def reset_step_state(namespace: str) -> None:
