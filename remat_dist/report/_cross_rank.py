@@ -325,7 +325,27 @@ class BudgetReport:
                     continue
                 plan = ", ".join(f"{b} {d}" for b, d in st.decisions)
                 lines.append(f"    {st.name}, {st.in_flight} in flight: {plan}")
+            why = _unused_budget_line(r)
+            if why:
+                lines.append(why)
         return "\n".join(lines)
+
+
+def _unused_budget_line(r: RankBudget) -> str | None:
+    """Why a plan that recomputes every block leaves budget unused: the planner
+    keeps whatever lowers recompute time and fits, so nothing more fits."""
+    decisions = [d for st in r.stages for _, d in st.decisions]
+    bound = r.predicted_peak_bytes
+    if not decisions or bound is None or any(d != "full" for d in decisions):
+        return None
+    unused = r.budget_bytes - bound
+    if unused <= 0:
+        return None
+    return (
+        f"    every block recomputed in full with {format_bytes(unused)} of the budget "
+        "unused: keeping any region of any block would take the predicted peak "
+        "past the budget"
+    )
 
 
 @dataclass(frozen=True)
