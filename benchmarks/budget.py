@@ -108,7 +108,7 @@ def bench_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 times[v].append(elapsed)
     rows = []
     for v in names:
-        plan = remat.current_plan(models[v]) if v in budgets else None
+        plan = remat.budget.current_plan(models[v]) if v in budgets else None
         rows.append({
             "variant": v,
             "budget": budgets.get(v),

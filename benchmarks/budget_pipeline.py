@@ -156,7 +156,7 @@ def _interleaved_rows(args, rank, config):
                 rows.append({"schedule": name, "variant": variant, "budget": budget,
                              "fraction": frac, "infeasible": True})
                 continue
-            plans = [remat.current_plan(m) for m in mods]
+            plans = [remat.budget.current_plan(m) for m in mods]
             recompute = args.micro * sum(p.predicted_time_s for p in plans)
             rows.append({
                 "schedule": name, "variant": variant, "budget": budget, "fraction": frac,
@@ -225,7 +225,7 @@ def _worker(rank, args, store_path, out_path):
             budget = int(lo + frac * (hi - lo))
             peak, step, module = _run(args, rank, schedule_name,
                                       remat.MemoryBudget(bytes=budget), config)
-            plan = remat.current_plan(module)
+            plan = remat.budget.current_plan(module)
             mine = {
                 "outside": plan.outside_bytes, "in_flight": plan.in_flight,
                 "blocks": [b.candidates for b in plan.blocks],

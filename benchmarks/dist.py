@@ -56,7 +56,7 @@ def _build(layout: str, variant: str, cfg: dict[str, Any]) -> Any:
         remat.apply_remat(model, blocks=Block, collectives="save")
     if layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         remat.shard_model(model, mesh, blocks=Block)

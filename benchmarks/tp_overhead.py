@@ -107,7 +107,7 @@ def _rank_main(out_path: str, iters: int) -> None:
             remat.apply_remat(model, blocks=Block, collectives="replay")
         elif variant in ("torch.utils.checkpoint", ROUNDS):
             _torch_checkpoint_blocks(model, tuc)
-        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
         return model
 
     rounds_group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
@@ -136,11 +136,11 @@ def _rank_main(out_path: str, iters: int) -> None:
             for v in VARIANTS[k:] + VARIANTS[:k]:
                 model = models[v]
                 dist.barrier()
-                before, by_thread = remat.step_stats(), _thread_cpu()
+                before, by_thread = remat.distributed.step_stats(), _thread_cpu()
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(v)
                 elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-                after, by_thread_after = remat.step_stats(), _thread_cpu()
+                after, by_thread_after = remat.distributed.step_stats(), _thread_cpu()
                 model.zero_grad(set_to_none=True)
                 if it >= 20:
                     for kind, seconds in by_thread_after.items():

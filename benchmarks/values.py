@@ -38,7 +38,7 @@ def _gpt(layout: str, check: str, cfg: dict[str, Any]) -> Any:
     model = GPT(config)
     remat.apply_remat(model, blocks=Block, determinism_check=check)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=(layout,))
-    plan = remat.reference_tp_plan() if layout == "tp" else None
+    plan = remat.shard.reference_tp_plan() if layout == "tp" else None
     remat.shard_model(model, mesh, blocks=Block, tp_plan=plan)
     seed = 0 if layout == "tp" else dist.get_rank()
     batch = make_batch(config, cfg["batch"], seed=seed)

@@ -216,7 +216,7 @@ def build(cfg: TrainConfig, world: int, device_type: str) -> tuple[GPT, Any]:
         mesh = init_device_mesh(
             device_type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp")
         )
-        tp_plan = remat.reference_tp_plan(sequence_parallel=cfg.sequence_parallel)
+        tp_plan = remat.shard.reference_tp_plan(sequence_parallel=cfg.sequence_parallel)
     else:
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
         tp_plan = None
@@ -274,7 +274,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
         elapsed = time.perf_counter() - t0
         losses.append(mean.item())
         if step == 1 and cfg.memory_budget is not None and rank == 0:
-            log(rank, "memory budget plan (from step 2): " + remat.current_plan(model).format())
+            log(rank, "memory budget plan (from step 2): " + remat.budget.current_plan(model).format())
         if rank == 0:
             log(
                 rank,
@@ -306,7 +306,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device_type: str) -> None:
                         "losses": losses,
                         "memory_budget_plan": (
                             None if cfg.memory_budget is None
-                            else dataclasses.asdict(remat.current_plan(model))
+                            else dataclasses.asdict(remat.budget.current_plan(model))
                         ),
                     },
                     f,

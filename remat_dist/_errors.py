@@ -51,7 +51,7 @@ class PlanMismatchError(RematError):
 
 
 class AgreementSetupError(RematError):
-    """The ranks at stake could not set up the gloo group their agreement runs on:
+    """The ranks of a replay group could not set up the gloo group their agreement runs on:
     every rank came, but some could not connect to others.
 
     The message names the ranks, where each one's gloo listens (the interface or
@@ -82,7 +82,7 @@ class ReplayValueMismatchError(CollectiveReplayError, ReplayMismatchError):
     in place of the forward's, has another fingerprint.
 
     Raised at the end of backward, before the optimizer step: with a process group,
-    on every rank of the ranks at stake (through the end-of-backward report), the
+    on every rank of the replay group (through the end-of-backward report), the
     message naming the checkpoint, the collective or saved tensor (and the op that
     made it), the ranks where it differed and the fixes. The gradients of that step
     are wrong. A ``CollectiveReplayError`` and a ``ReplayMismatchError``, so code

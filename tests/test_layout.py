@@ -127,7 +127,7 @@ def test_the_user_front_door_is_the_documented_api():
     import remat_dist
 
     api = (ROOT / "docs" / "api.md").read_text()
-    documented = set(re.findall(r"^### `(\w+)`$", api, flags=re.M))
+    documented = set(re.findall(r"^#{3,4} `(\w+)`$", api, flags=re.M))
     assert set(remat_dist.__all__) == documented
     assert len(remat_dist.__all__) == len(set(remat_dist.__all__))
 
@@ -138,3 +138,49 @@ def test_the_extension_interface_is_documented():
     text = (ROOT / "docs" / "extending.md").read_text()
     missing = [n for n in remat_dist.core.__all__ if f"`{n}" not in text]
     assert not missing, f"docs/extending.md does not document: {missing}"
+
+
+TORCH_REMAT_0_2 = {
+    "checkpoint", "region", "recompute_needs_tensor", "save_for_backward",
+    "is_recomputing", "is_placeholder", "RecomputeStateHook", "saved_tensors_hooks",
+    "current_saved_tensor_info", "SavedTensorInfo", "SavedTensorKind",
+    "collect_trace", "trace_scope", "format_saved_tensors_report",
+    "print_saved_tensors_report", "format_current_memory_report",
+    "print_current_memory_report", "discover_autograd_roots", "oom_observer",
+    "format_oom_saved_tensors_report", "memory_snapshot_annotate",
+    "clear_memory_snapshot_cache",
+}
+"""torch_remat 0.2's top-level names (its ``__init__.py``)."""
+
+
+def test_the_top_level_is_torch_remats_names_and_at_most_15_of_our_own():
+    import remat_dist
+
+    names = set(remat_dist.__all__)
+    assert TORCH_REMAT_0_2 <= names, sorted(TORCH_REMAT_0_2 - names)
+    assert remat_dist.TORCH_REMAT_NAMES == TORCH_REMAT_0_2
+    own = names - TORCH_REMAT_0_2
+    assert len(own) <= 15, sorted(own)
+
+
+def test_a_moved_name_still_works_and_warns_with_its_new_home():
+    import warnings
+
+    import remat_dist
+
+    for name, target in remat_dist.MOVED.items():
+        assert name not in remat_dist.__all__
+        module, new = target.rsplit(".", 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = getattr(remat_dist, name)
+        assert old is getattr(importlib.import_module(module), new), name
+        assert len(caught) == 1 and caught[0].category is DeprecationWarning, name
+        assert target in str(caught[0].message), caught[0].message
+        assert caught[0].filename == __file__  # points at the caller's line
+    try:
+        remat_dist.no_such_name  # noqa: B018
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("remat_dist.no_such_name did not raise AttributeError")

@@ -25,7 +25,7 @@ def test_reset_clears_the_caches_and_the_replay_timeout():
     from remat_dist.distributed import _rng_default, _step
 
     _rng_default._single_process_hooks()
-    remat.set_replay_timeout(3.0)
+    remat.distributed.set_replay_timeout(3.0)
     assert _rng_default._CACHE.single
     reset_process_state()
     assert not _rng_default._CACHE.single and not _rng_default._CACHE.provider

@@ -59,7 +59,7 @@ def report_on_this_rank(opts: dict[str, Any]) -> dict[str, Any] | None:
         remat.apply_remat(model, blocks=Block, policy=policy)
     if tp > 1:
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+        remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
         dp_rank = mesh["dp"].get_local_rank()
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))

@@ -68,10 +68,26 @@ class _UnsupportedOption(RematUsageError, NotImplementedError):
     other misuse."""
 
 
+def _positional_call_message(fn: Any, args: tuple, region_name: Any) -> str:
+    """The error for ``checkpoint(fn, *args)``: torch's call shape, spelled our way."""
+    name = getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        name = "block"  # a module instance or a partial
+    inputs = "x" if len(args) == 1 else ", ".join(f"x{i}" for i in range(len(args))) or "*args"
+    region = region_name if isinstance(region_name, str) and region_name else "layers.0"
+    call = "(" + ", ".join([name, *(["..."] if args else [])]) + ")"
+    return (
+        f"remat_dist.checkpoint{call} is torch.utils.checkpoint.checkpoint's call "
+        "shape; remat_dist.checkpoint takes only keyword options and returns a "
+        f"decorator. Write: remat_dist.checkpoint(region_name={region!r})({name})"
+        f"({inputs})"
+    )
+
+
 def checkpoint(
     fn: Callable[..., Any] | None = None,
     /,
-    *,
+    *args: Any,
     region_name: str | None = None,
     recompute_state_hooks: Sequence[RecomputeStateHook] | None = None,
     saved_tensors_hooks: saved_tensors_hooks | tuple[Any, Any] | None = None,
@@ -85,6 +101,9 @@ def checkpoint(
     ``fn`` runs once on forward keeping only its inputs (plus what save regions
     keep), and is replayed when backward first needs one of its saved tensors,
     stopping as soon as all of them are recomputed.
+
+    ``checkpoint(fn, *args)``, ``torch.utils.checkpoint.checkpoint``'s call shape,
+    raises :class:`RematUsageError` (a ``TypeError``) showing the call to write.
 
     Args:
         region_name: the checkpoint's name in errors, traces and reports
@@ -113,7 +132,7 @@ def checkpoint(
             and the input of each collective it re-issues, is compared with a
             fingerprint taken on forward (an on-device integer hash, no copy
             kept); a difference raises ``ReplayValueMismatchError`` at the end of
-            backward (on every rank at stake). ``REMAT_DIST_DETERMINISM_CHECK=values``
+            backward (on every rank of the replay group). ``REMAT_DIST_DETERMINISM_CHECK=values``
             in the environment turns it on for every checkpoint of the process.
             See ``docs/distributed.md``. torch's names are accepted for code
             written against ``torch.utils.checkpoint`` or torch_remat: ``"none"``
@@ -130,14 +149,25 @@ def checkpoint(
             issues no communication); see ``docs/distributed.md``.
         **options: further options a layer above declared
             (``core.declare_option``, the extension interface).
+
+    Returns:
+        A decorator: ``checkpoint(**opts)(fn)`` is a function with ``fn``'s
+        signature that runs ``fn`` checkpointed.
+
+    Raises:
+        RematUsageError: an unknown option, a bad value, a positional argument
+            (``checkpoint(fn, x)``), or a checkpoint nested in another.
+
+    Example::
+
+        >>> block = torch.nn.Linear(4, 4)
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> y = remat_dist.checkpoint(region_name="layers.0")(block)(x)
+        >>> y.sum().backward()
     """
     where = region_name if isinstance(region_name, str) else "<unnamed>"
-    if fn is not None:
-        raise RematUsageError(
-            "remat_dist.checkpoint(fn) is not supported (it reads like "
-            "torch.utils.checkpoint.checkpoint(fn, *args) but means something else). "
-            "Fix: remat_dist.checkpoint(region_name='layers.0')(fn)(*args, **kwargs)."
-        )
+    if fn is not None or args:
+        raise RematUsageError(_positional_call_message(fn, args, region_name))
     if preserve_rng_state is not False:
         if not isinstance(preserve_rng_state, bool):
             raise RematUsageError(
@@ -152,7 +182,7 @@ def checkpoint(
             "restored at entry and after every save region. Fix: pass "
             "recompute_state_hooks=remat_dist.distributed.default_state_hooks() (this "
             "rank's device RNG; cpu=True adds the CPU generator) or "
-            "(remat_dist.CPURNGStateHook(),)."
+            "(remat_dist.distributed.CPURNGStateHook(),)."
         )
     if region_name is not None and (not isinstance(region_name, str) or not region_name):
         raise RematUsageError(
@@ -495,7 +525,7 @@ class _Phase:
         target: tuple[Any, Any] | None,
     ) -> bool:
         """An observer absorbed the replay's error (it makes the step fail later,
-        on every rank at stake): instead of what the replay saved wrong
+        on every rank of the replay group): instead of what the replay saved wrong
         (``mismatch``) and what it did not get to save (``raised`` stopped it),
         backward reads zero stand-ins of the forward's metadata. Returns True so
         that torch, whose recompute this context runs, swallows the error and

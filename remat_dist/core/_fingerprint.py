@@ -14,11 +14,11 @@ every tensor the replay saves in its place is fingerprinted the same way. At the
 replay's end (torch's early stop included) the two are compared in one go
 (:func:`replay_done`): one device synchronisation per replay, none per tensor.
 
-A difference is a :class:`~remat_dist.ReplayValueMismatchError` naming the
+A difference is a :class:`~remat_dist.errors.ReplayValueMismatchError` naming the
 checkpoint, the saved tensor (its position, region, the op that made it), and
 the causes with their fixes. The core offers it first to the observers
 (``on_replay_values(record, text) -> bool``, the layer above adds the rank and
-reports it among the ranks at stake); when none takes it, it is raised at the end
+reports it among the replay group's ranks); when none takes it, it is raised at the end
 of the backward pass (:func:`raise_at_backward_end`), so the backward's other
 work and collectives complete first, or at once outside a backward.
 
@@ -70,7 +70,7 @@ VALUE_CAUSES = (
     "epsilon), or keep its output with remat_dist.region(fn, name, "
     "recompute=False) so the replay does not recompute it;\n"
     "  - random numbers from a generator the state hooks do not restore: add it "
-    "with recompute_state_hooks=(..., remat_dist.GeneratorStateHook(gen));\n"
+    "with recompute_state_hooks=(..., remat_dist.distributed.GeneratorStateHook(gen));\n"
     "  - state read by the block that changed between forward and backward (a "
     "buffer updated in place, a Python flag): restore it with a "
     "RecomputeStateHook or guard the change with remat_dist.is_recomputing()."

@@ -65,9 +65,19 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
     """``ctx.save_for_backward`` with names, so that memory reports show them.
 
     Call it from a custom ``autograd.Function.forward``; ``ctx.saved_tensors`` gives
-    the tensors back in the mapping's order::
+    the tensors back in the mapping's order.
 
-        remat_dist.save_for_backward(ctx, {"lse": lse, "probs": probs})
+    Args:
+        ctx: the ``autograd.Function`` context.
+        saved: ``{name: tensor}``; ``None`` values are saved as ``None``.
+
+    Returns:
+        None.
+
+    Example::
+
+        >>> remat_dist.save_for_backward(ctx, {"lse": lse, "probs": probs})
+        >>> lse, probs = ctx.saved_tensors  # in backward
     """
     if not isinstance(saved, Mapping):
         raise RematUsageError(
@@ -98,7 +108,18 @@ def save_for_backward(ctx: Any, saved: Mapping[str, torch.Tensor | None]) -> Non
 def current_saved_tensor_info() -> SavedTensorInfo:
     """Inside a pack hook of :class:`saved_tensors_hooks`: why this tensor is packed.
 
-    Raises :class:`~remat_dist.RematUsageError` when called anywhere else.
+    Returns:
+        A :class:`SavedTensorInfo`: the kind, the checkpoint and region, and the
+        value the hooks' ``capture_context`` returned where the tensor was made.
+
+    Raises:
+        RematUsageError: called outside a pack hook.
+
+    Example::
+
+        >>> def pack(t):
+        ...     info = remat_dist.current_saved_tensor_info()
+        ...     return t if info.kind is remat_dist.SavedTensorKind.BACKWARD else t.cpu()
     """
     info = _info_var.get()
     if info is None:
@@ -149,6 +170,15 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
             persists it, still gets the value captured when it was produced (an
             offloader binds the chunk it belongs to). Checkpoint inputs and saves
             outside any checkpoint get None, as in torch_remat.
+
+    Example::
+
+        >>> def pack(t):
+        ...     return t.to("cpu", non_blocking=True)
+        >>> def unpack(t):
+        ...     return t.to("cuda", non_blocking=True)
+        >>> with remat_dist.saved_tensors_hooks(pack, unpack):
+        ...     y = remat_dist.checkpoint(region_name="layers.0")(block)(x)
     """
 
     def __init__(

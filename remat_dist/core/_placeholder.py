@@ -5,7 +5,7 @@ dtype, device and ``requires_grad`` of the output it stands for, so that replay 
 that only passes it along (into another skipped save region, into the checkpoint's
 return value, or nowhere) runs unchanged. View ops on a placeholder give placeholders
 (computed on a ``meta`` twin, so no data is ever touched). Any other op reads data
-and raises :class:`~remat_dist.PlaceholderAccessError`, naming the producing
+and raises :class:`~remat_dist.errors.PlaceholderAccessError`, naming the producing
 region and the two fixes.
 
 Only ops that touch a placeholder pay for the subclass dispatch; ordinary replay ops
@@ -131,5 +131,21 @@ def make_placeholder(
 
 
 def is_placeholder(tensor: Any) -> bool:
-    """True for (views of) stand-ins of skipped save-region outputs during replay."""
+    """Whether ``tensor`` is a placeholder: a skipped kept region's output during
+    replay (or a view of one).
+
+    Args:
+        tensor: any object; non-tensors give ``False``.
+
+    Returns:
+        ``True`` for a placeholder.
+
+    Example::
+
+        >>> def block(x):
+        ...     attn = remat_dist.region(attention, "attention", recompute=False)(x)
+        ...     if remat_dist.is_placeholder(attn):
+        ...         pass  # replaying: attn's values are not available here
+        ...     return remat_dist.region(mlp, "mlp", recompute=True)(attn)
+    """
     return isinstance(tensor, Placeholder)

@@ -79,16 +79,39 @@ def region(
 ) -> Callable[..., Any]:
     """Mark a call inside a checkpoint: ``region(function, name, recompute=...)(*args)``.
 
-    ``recompute=False`` (a save region) keeps what the call saves for backward on the
-    original graph and skips the call on replay; its outputs are served to replay
-    from the record where replay needs them. ``recompute=True`` reruns it (the
-    default for any code in a checkpoint; useful for names in traces and to persist
-    save-region outputs the call consumes). Outside a checkpoint: a plain call.
+    ``recompute=False`` (a kept region) keeps what the call saves for backward and
+    skips the call on replay; its outputs are served to the replay from the record
+    where it needs them. ``recompute=True`` reruns it (what any code in a checkpoint
+    does; useful for names in traces and to persist kept-region outputs the call
+    consumes). Outside a checkpoint it is a plain call.
 
-    ``collectives="save"`` keeps the outputs of the collectives this call issues
-    so that its replay issues no communication (``"replay"`` re-issues them; None,
-    the default, takes the checkpoint's mode). ``**options`` are further region
-    options a layer above declared (``core.declare_option``).
+    Args:
+        function: the callable to run (a module, a function).
+        name: the region's name in traces, reports and errors, unique within one
+            checkpoint call (use :func:`name_scope` for repeated parts).
+        recompute: ``False`` keeps what the call saves; ``True`` recomputes it.
+            Required: a region says which it is.
+        collectives: ``"save"`` keeps the outputs of the collectives this call
+            issues, so its replay issues no communication; ``"replay"`` re-issues
+            them; ``None`` (default) takes the checkpoint's mode.
+        **options: further region options a layer above declared
+            (``core.declare_option``).
+
+    Returns:
+        A callable with ``function``'s signature.
+
+    Raises:
+        RematUsageError: a name used twice in one checkpoint call, an empty name, a
+            non-bool ``recompute``, ``recompute=True`` inside a kept region, or an
+            output that is not a tensor or a flat tuple/list of tensors and None.
+
+    Example::
+
+        >>> def block(x):
+        ...     attn = remat_dist.region(attention, "attention", recompute=False)(x)
+        ...     remat_dist.recompute_needs_tensor(attn)
+        ...     return mlp(x + attn)
+        >>> y = remat_dist.checkpoint(region_name="layers.0")(block)(x)
     """
     # Dynamo cannot trace callable() on every callable (autograd.Function.apply):
     # under torch.compile a non-callable fails at its call instead.
@@ -361,12 +384,25 @@ def _rebuild(structure: Any, items: list[Any]) -> Any:
 
 
 def recompute_needs_tensor(*tensors: torch.Tensor) -> None:
-    """Persist save-region outputs (or views of them) that bare code consumes.
+    """Keep kept-region outputs (or views of them) that code outside regions reads.
 
-    Replay skips a save region; code after it that reads its output outside any
-    ``region`` needs the real value, not a placeholder. Call this right after the
-    region on forward. Tensors not produced by a save region are left alone (they
-    are recomputed anyway); outside a checkpoint forward this is a no-op.
+    A replay skips a kept region (``recompute=False``); code after it that reads its
+    output outside any ``region`` needs the real value, not a placeholder. Call this
+    right after the region, on forward. Tensors no kept region produced are left
+    alone (they are recomputed anyway); outside a checkpoint's forward it does
+    nothing. ``apply_remat``'s policies call it for you.
+
+    Args:
+        *tensors: outputs of kept regions, or views of them.
+
+    Returns:
+        None.
+
+    Example::
+
+        >>> attn = remat_dist.region(attention, "attention", recompute=False)(x)
+        >>> remat_dist.recompute_needs_tensor(attn)
+        >>> h = x + attn  # outside any region: reads attn on replay too
     """
     if _compile.compiling():
         return _compile.recompute_needs_tensor(tensors)
@@ -384,14 +420,22 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> None:
 
 @contextmanager
 def name_scope(prefix: str) -> Iterator[None]:
-    """Prefix region names inside the block (``prefix/name``).
+    """Prefix the region names inside the block with ``prefix/``.
 
     Lets one sub-block run several times inside one checkpoint without duplicate
-    region names::
+    region names.
 
-        for i, expert in enumerate(experts):
-            with remat_dist.name_scope(f"expert{i}"):
-                y = remat_dist.region(expert, "ffn", recompute=False)(x)
+    Args:
+        prefix: the prefix, e.g. ``"expert3"``; scopes nest (``outer/inner/name``).
+
+    Returns:
+        A context manager.
+
+    Example::
+
+        >>> for i, expert in enumerate(experts):
+        ...     with remat_dist.name_scope(f"expert{i}"):
+        ...         y = remat_dist.region(expert, "ffn", recompute=False)(x)
     """
     if not isinstance(prefix, str) or not prefix:
         raise RematUsageError(

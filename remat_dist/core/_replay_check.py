@@ -5,7 +5,7 @@ dtype and device noted by torch's own pack hook (``record.saved_meta``, through 
 metadata function ``_standin`` registers). When a replay ends, before backward
 uses anything it recomputed, :func:`check_after_replay` compares what it saved with
 those notes in one loop, and the first tensor that differs raises
-:class:`~remat_dist.ReplayMismatchError`: backward never computes wrong gradients
+:class:`~remat_dist.errors.ReplayMismatchError`: backward never computes wrong gradients
 from it without a word (a dtype that changed), and a replay that failed inside
 model code because of it (a KV cache appended to again on replay) raises this
 error, from the model's. With ``determinism_check="metadata_per_tensor"`` each tensor is

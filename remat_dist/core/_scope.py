@@ -127,25 +127,26 @@ class _RecordMode(TorchDispatchMode):
 
 
 class gradient_checkpoint_scope:  # noqa: N801 - RETURNN's name
-    """Context manager: tensors created inside are recomputed, not stored.
+    """Context manager: tensors created inside are recomputed, not stored (RETURNN's API).
 
     Every tensor an operator creates in the ``with`` block is left out of what
     autograd saves for backward, also when an operator after the block saves it; the
     first time backward needs it, the recorded operators it depends on are rerun
     (with the RNG state and autocast state they ran under) and the result is freed
     again once the backward pass no longer needs it. Gradients are bitwise equal to
-    running without the scope, and so is the RNG state after the step.
+    running without the scope, and so is the RNG state after the step. A scope object
+    can be entered once.
 
     The context manager's value is the scope itself; :attr:`record` (a
-    :class:`ScopeRecord`, shared with enclosing scopes) tells what is kept for
-    replay::
+    :class:`ScopeRecord`, shared with enclosing scopes) tells what is kept for the
+    recompute.
 
-        with gradient_checkpoint_scope() as scope:
-            noisy_w = w + torch.randn_like(w) * 0.01
-        y = x @ noisy_w               # noisy_w is not stored for backward
-        print(scope.kept_bytes())     # the RNG snapshot (w is a leaf: alive anyway)
+    Example::
 
-    A scope object can be entered once.
+        >>> with remat_dist.gradient_checkpoint_scope() as scope:
+        ...     noisy_w = w + torch.randn_like(w) * 0.01
+        >>> y = x @ noisy_w               # noisy_w is not stored for backward
+        >>> print(scope.kept_bytes())     # the RNG snapshot (w is a leaf: alive anyway)
     """
 
     def __init__(self) -> None:

@@ -42,12 +42,18 @@ def current_frame() -> CheckpointRecord | None:
 
 
 def is_recomputing() -> bool:
-    """True only while a checkpoint is being replayed (in this context).
+    """Whether a checkpoint is being replayed now (in this context).
 
-    Use it to suppress forward-only side effects such as logging or metrics::
+    Use it to keep forward-only side effects, such as logging, metrics or a cache
+    update, out of the replay.
 
-        if not remat_dist.is_recomputing():
-            record_metric(value)
+    Returns:
+        ``True`` only during a replay.
+
+    Example::
+
+        >>> if not remat_dist.is_recomputing():
+        ...     record_metric(value)
     """
     if _is_compiling():
         # Dynamo traces the forward; the compiled backward recomputes graph ops,

@@ -17,12 +17,26 @@ the value; the distributed layer gives it its meaning and validates it."""
 
 @runtime_checkable
 class RecomputeStateHook(Protocol):
-    """External state kept aligned between a checkpoint's forward and its replay.
+    """State kept aligned between a checkpoint's forward and its replay.
 
-    ``snapshot()`` is called at checkpoint entry and after every save region on
-    forward; ``restore(state)`` is called with the matching snapshot at the same points
-    on replay, so code after a skipped save region sees the state the forward saw
-    (an RNG draw inside a skipped region does not shift later draws).
+    ``snapshot()`` is called at the checkpoint's entry and after every kept region
+    on forward; ``restore(state)`` is called with the matching snapshot at the same
+    points on replay, so code after a skipped region sees the state the forward saw
+    (an RNG draw inside a skipped region does not shift later draws). The replay
+    leaves the state as backward found it.
+
+    Example::
+
+        >>> class StepCounter(remat_dist.RecomputeStateHook):
+        ...     def __init__(self, counter):
+        ...         self.counter = counter
+        ...     def snapshot(self):
+        ...         return self.counter.value
+        ...     def restore(self, state):
+        ...         self.counter.value = state
+        >>> run = remat_dist.checkpoint(
+        ...     region_name="layers.0", recompute_state_hooks=(StepCounter(counter),)
+        ... )(block)
     """
 
     def snapshot(self) -> Any: ...
@@ -31,7 +45,15 @@ class RecomputeStateHook(Protocol):
 
 
 class SavedTensorKind(enum.Enum):
-    """Why a tensor reaches a pack hook (see :func:`current_saved_tensor_info`)."""
+    """Why a tensor reaches a pack hook (see :func:`current_saved_tensor_info`).
+
+    Members:
+        CHECKPOINT_INPUT: an input a checkpoint keeps so that its replay can start.
+        BACKWARD: a tensor an operator saves for backward in a kept region, or
+            outside any checkpoint.
+        SAVE_OUTPUT: a kept region's output kept for the replay
+            (:func:`recompute_needs_tensor`).
+    """
 
     CHECKPOINT_INPUT = "checkpoint_input"
     """A tensor argument of a checkpoint, kept so that replay can start."""
@@ -48,17 +70,18 @@ class SavedTensorInfo:
 
     ``SavedTensorInfo(kind, context)`` is torch_remat's shape; remat_dist adds where
     the tensor comes from (``checkpoint``, ``region``, ``name``) as keyword fields.
+    :func:`current_saved_tensor_info` returns one.
 
     Attributes:
-        kind: why the tensor is packed.
+        kind: why the tensor is packed (a :class:`SavedTensorKind`).
         context: what the hooks' ``capture_context()`` returned where the tensor was
-            produced: in the save region, at the save (``BACKWARD``) or when the
+            produced: in the kept region, at the save (``BACKWARD``) or when the
             region returned (``SAVE_OUTPUT``, even when a later consumer triggers the
             pack after the hooks' ``with`` block has exited). None without a
             ``capture_context``, for checkpoint inputs and for saves outside any
             checkpoint (as in torch_remat).
         checkpoint: the enclosing checkpoint's region name, or None outside one.
-        region: the save region's qualified name (``checkpoint::region``), or None.
+        region: the kept region's qualified name (``checkpoint::region``), or None.
         name: the ``save_for_backward`` name where one was given, else None.
     """
 

@@ -258,7 +258,7 @@ def block_tp_plan() -> dict[str, Any]:
     """Tensor-parallel plan for one :class:`Block`, for
     ``parallelize_module(block, tp_mesh, block_tp_plan())``: column-wise
     ``attention.wq/wk/wv`` and ``mlp.w1``, row-wise ``attention.wo`` and
-    ``mlp.w2`` (``remat_dist.reference_tp_plan().block``, which ``shard_model``
+    ``mlp.w2`` (``remat_dist.shard.reference_tp_plan().block``, which ``shard_model``
     applies). Needs ``n_heads`` divisible by the TP degree."""
     from remat_dist.shard import reference_tp_plan
 

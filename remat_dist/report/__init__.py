@@ -18,8 +18,11 @@ a :class:`CrossRankReport` (:func:`aggregate_summaries` is the pure part); layer
 above add per-rank sections through :func:`add_rank_section` (the memory budget's
 becomes the report's :class:`BudgetReport`).
 
-Those are published at ``remat_dist``; ``__all__`` here lists the report's parts
-that only its builders and the side packages use.
+torch_remat's report functions and :func:`gather_saved_tensors_report` are
+published at ``remat_dist``; ``__all__`` here lists the report objects a user
+reads (:class:`Trace`, :class:`CrossRankReport`), :func:`saved_tensors_summary`,
+:func:`attach_oom_observer`, and the parts that only the report's builders and the
+side packages use.
 """
 
 from remat_dist.report._accounting import Annotate
@@ -31,6 +34,7 @@ from remat_dist.report._annotate import (
 )
 from remat_dist.report._cross_rank import (
     BudgetReport,
+    CrossRankReport,
     RankBudget,
     RankTotals,
     RegionStats,
@@ -39,7 +43,6 @@ from remat_dist.report._cross_rank import (
     add_rank_section,
     aggregate_summaries,
 )
-from remat_dist.report._cross_rank import CrossRankReport as CrossRankReport
 from remat_dist.report._cross_rank import (
     gather_saved_tensors_report as gather_saved_tensors_report,
 )
@@ -49,27 +52,35 @@ from remat_dist.report._current import (
 from remat_dist.report._current import (
     print_current_memory_report as print_current_memory_report,
 )
-from remat_dist.report._oom import attach_oom_observer as attach_oom_observer
+from remat_dist.report._oom import attach_oom_observer
 from remat_dist.report._oom import (
     format_oom_saved_tensors_report as format_oom_saved_tensors_report,
 )
 from remat_dist.report._oom import oom_observer as oom_observer
 from remat_dist.report._roots import discover_autograd_roots as discover_autograd_roots
-from remat_dist.report._saved import SavedTensorsReport, build_saved_tensors_report
+from remat_dist.report._saved import (
+    SavedTensorsReport,
+    build_saved_tensors_report,
+    saved_tensors_summary,
+)
 from remat_dist.report._saved import (
     format_saved_tensors_report as format_saved_tensors_report,
 )
 from remat_dist.report._saved import (
     print_saved_tensors_report as print_saved_tensors_report,
 )
-from remat_dist.report._saved import saved_tensors_summary as saved_tensors_summary
-from remat_dist.report._trace import Trace as Trace
-from remat_dist.report._trace import TraceNode
+from remat_dist.report._trace import Trace, TraceNode
 from remat_dist.report._trace import collect_trace as collect_trace
 from remat_dist.report._trace import trace_scope as trace_scope
 
 # The names above imported "as" themselves are published at remat_dist.
 __all__ = [
+    # for users: report objects and helpers beyond torch_remat's
+    "Trace",
+    "CrossRankReport",
+    "saved_tensors_summary",
+    "attach_oom_observer",
+    # for the report's builders and the side packages
     "Annotate",
     "BudgetReport",
     "RankBudget",

@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed support
+    _DTensor = None
+
 from remat_dist.core import CheckpointRecord, RegionRecord, SavedEntry
 from remat_dist.report._format import format_bytes, plural, table
 from remat_dist.report._graph import (
@@ -111,6 +116,8 @@ class StorageRow:
     tensor: torch.Tensor | None = None
     """A tensor on this storage, for annotations; held weakly (a kept report must
     not keep activations alive)."""
+    global_shape: tuple[int, ...] | None = None
+    """A DTensor's global shape (``shape`` is then this rank's shard's)."""
 
     def __post_init__(self) -> None:
         t = self.tensor
@@ -142,10 +149,13 @@ class StorageRow:
             if self.counted_in is None
             else f"({format_bytes(shown)})"
         )
+        shape = str(tuple(self.shape))
+        if self.global_shape is not None and tuple(self.global_shape) != tuple(self.shape):
+            shape += f" [global {tuple(self.global_shape)}]"
         return [
             size,
             self.label,
-            str(tuple(self.shape)),
+            shape,
             str(self.dtype).removeprefix("torch."),
             " ".join(note),
         ]
@@ -254,6 +264,7 @@ def _entry_rows(
         if idx:
             label += f" (output at idx {', '.join(map(str, idx))})"
         widest = max((e for _, e in group), key=lambda e: e.nbytes)
+        shape, global_shape = _entry_shapes(widest, tensors.get(key))
         parameter = any(e.is_parameter for _, e in group)
         storage_nbytes = max(e.storage_nbytes for _, e in group)
         counted, before = ledger.claim(key, storage_nbytes, where, parameter=parameter)
@@ -262,15 +273,43 @@ def _entry_rows(
                 nbytes=counted,
                 storage_nbytes=storage_nbytes,
                 label=label,
-                shape=tuple(widest.shape),
+                shape=shape,
                 dtype=widest.dtype,
                 device=widest.device,
                 user_hook=any(e.packed_by_user_hook for _, e in group),
                 counted_in=before,
                 tensor=tensors.get(key),
+                global_shape=global_shape,
             )
         )
     return rows
+
+
+def local_shapes(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """``(shape on this rank, global shape or None)``: a DTensor's local shard and
+    its global shape, a plain tensor's shape and None."""
+    if _DTensor is None or not isinstance(t, _DTensor):
+        return tuple(t.shape), None
+    with torch.no_grad():
+        return tuple(t.to_local().shape), tuple(t.shape)
+
+
+def _entry_shapes(
+    entry: SavedEntry, tensor: torch.Tensor | None
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """A saved entry's shape is the tensor's (a DTensor's global one) and its bytes
+    this rank's: where they disagree, the entry is a shard, shown with the local
+    shape of the tensor found on its storage when there is one."""
+    shape = tuple(entry.shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    if numel * itemsize <= entry.nbytes:
+        return shape, None
+    if tensor is not None and tensor.numel() * tensor.element_size() == entry.nbytes:
+        return tuple(tensor.shape), shape
+    return shape, shape
 
 
 def _output_keys(rr: RegionRecord) -> dict[StorageKey, list[int]]:
@@ -331,10 +370,11 @@ def _extension_rows(record: CheckpointRecord, ledger: Ledger, where: str) -> lis
         for label, t in kept():
             for key, nbytes, tensor in tensor_storages(t):
                 counted, before = ledger.claim(key, nbytes, where, parameter=False)
+                shape, global_shape = local_shapes(t)
                 rows.append(
                     StorageRow(
-                        counted, nbytes, label, tuple(t.shape), t.dtype,
-                        tensor.device, False, before, tensor,
+                        counted, nbytes, label, shape, t.dtype,
+                        tensor.device, False, before, tensor, global_shape,
                     )
                 )
     return rows
@@ -453,9 +493,10 @@ def _storage_rows(
             counted, before = ledger.claim(
                 key, nbytes, where, parameter=is_parameter_tensor(t)
             )
+            shape, global_shape = local_shapes(t)
             rows[key] = StorageRow(
-                counted, nbytes, label, tuple(t.shape), t.dtype,
-                plain.device, user_hook, before, plain,
+                counted, nbytes, label, shape, t.dtype,
+                plain.device, user_hook, before, plain, global_shape,
             )
     return list(rows.values())
 

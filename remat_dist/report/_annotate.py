@@ -53,6 +53,16 @@ def memory_snapshot_annotate(snapshot: Mapping[str, Any] | None = None) -> Annot
 
     The returned callable gives None for tensors it cannot place (CPU tensors,
     blocks recorded without frames, memory allocated before recording started).
+
+    Returns:
+        The ``tensor -> str | None`` callable.
+
+    Example::
+
+        >>> torch.cuda.memory._record_memory_history(max_entries=100_000)
+        >>> loss = model(x).sum()
+        >>> remat_dist.print_saved_tensors_report(
+        ...     loss, annotate=remat_dist.memory_snapshot_annotate())
     """
     if snapshot is None:
         import torch
@@ -103,6 +113,13 @@ def memory_snapshot_annotate(snapshot: Mapping[str, Any] | None = None) -> Annot
 def clear_memory_snapshot_cache() -> None:
     """torch_remat's name, kept so that code switching imports runs unchanged.
 
-    remat_dist memoizes no snapshot: each :func:`memory_snapshot_annotate` call
-    without ``snapshot=`` takes a fresh one, so there is nothing to clear.
+    remat_dist keeps no snapshot between calls: each :func:`memory_snapshot_annotate`
+    call without ``snapshot=`` takes a fresh one, so there is nothing to clear.
+
+    Returns:
+        None.
+
+    Example::
+
+        >>> remat_dist.clear_memory_snapshot_cache()  # does nothing, as documented
     """

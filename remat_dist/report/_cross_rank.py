@@ -313,7 +313,8 @@ class BudgetReport:
             else:
                 share = r.peak_bytes / r.budget_bytes * 100 if r.budget_bytes else 0.0
                 peak = f"peak {format_bytes(r.peak_bytes)} = {share:.0f}%"
-            mark = "  <- heaviest" if p is not None and r.rank == p.max_rank else ""
+            heaviest = p is not None and p.max > p.min and r.rank == p.max_rank
+            mark = "  <- heaviest" if heaviest else ""
             lines.append(
                 f"  rank {r.rank}: {peak} of budget {format_bytes(r.budget_bytes)}, plan "
                 f"bound {format_bytes(r.predicted_peak_bytes)}{mark}"
@@ -324,12 +325,37 @@ class BudgetReport:
                     continue
                 plan = ", ".join(f"{b} {d}" for b, d in st.decisions)
                 lines.append(f"    {st.name}, {st.in_flight} in flight: {plan}")
+            why = _unused_budget_line(r)
+            if why:
+                lines.append(why)
         return "\n".join(lines)
+
+
+def _unused_budget_line(r: RankBudget) -> str | None:
+    """Why a plan that recomputes every block leaves budget unused: the planner
+    keeps whatever lowers recompute time and fits, so nothing more fits."""
+    decisions = [d for st in r.stages for _, d in st.decisions]
+    bound = r.predicted_peak_bytes
+    if not decisions or bound is None or any(d != "full" for d in decisions):
+        return None
+    unused = r.budget_bytes - bound
+    if unused <= 0:
+        return None
+    return (
+        f"    every block recomputed in full with {format_bytes(unused)} of the budget "
+        "unused: keeping any region of any block would take the predicted peak "
+        "past the budget"
+    )
 
 
 @dataclass(frozen=True)
 class CrossRankReport:
-    """Saved-for-backward bytes across ranks (see module doc).
+    """Saved-for-backward bytes across ranks, what
+    :func:`~remat_dist.gather_saved_tensors_report` returns on its ``dst`` rank.
+
+    ``format()`` gives a few lines that compare the ranks (the heaviest rank is
+    marked where the ranks differ); ``to_dict()`` is JSON-ready and
+    ``from_dict(d)`` reads it back.
 
     Attributes:
         world_size: number of ranks gathered.
@@ -337,7 +363,14 @@ class CrossRankReport:
         regions: per-region bytes on each rank, in forward order.
         totals: statistics of the per-rank ``total_bytes``.
         budget: the memory budgets across ranks, when a rank has one (None
-            otherwise; see :class:`BudgetReport`).
+            otherwise).
+
+    Example::
+
+        >>> report = remat_dist.gather_saved_tensors_report(loss)
+        >>> if report is not None:
+        ...     print(report.format())
+        ...     json.dump(report.to_dict(), open("report.json", "w"))
     """
 
     world_size: int
@@ -391,7 +424,7 @@ class CrossRankReport:
         """A few lines that say, at a glance, how the ranks compare.
 
         Ranks with the same numbers are collapsed (``ranks 0-3,5``); the heaviest
-        rank is marked; regions with the same bytes on every rank are grouped
+        rank is marked where the ranks differ; regions with the same bytes on every rank are grouped
         (``x4 layers.0-3``).
         """
         t = self.totals
@@ -415,7 +448,8 @@ class CrossRankReport:
         for r in self.ranks:
             key = (r.total_bytes, r.checkpoint_input_bytes, r.outside_regions_bytes)
             groups.setdefault(key, []).append(r)
-        heaviest = self.totals.max_rank
+        # "heaviest" only where the ranks differ
+        heaviest = self.totals.max_rank if len(groups) > 1 else None
         ordered = list(groups.values())
         hidden: list[list[RankTotals]] = []
         if len(ordered) > MAX_RANK_LINES:
@@ -575,14 +609,28 @@ def gather_saved_tensors_report(
 ) -> CrossRankReport | None:
     """Gather every rank's saved-tensor summary to ``dst`` and aggregate it there.
 
-    A collective: call it on every rank of ``group`` (default: the world) after
-    forward, with this rank's roots (its loss), or after a step with none. Each
-    rank's summary gets the sections added with :func:`add_rank_section` (its
-    memory budgets: the peak since its previous call, the plans). ``dst`` is a
-    global rank. Returns
-    the :class:`CrossRankReport` on ``dst`` and None elsewhere. Works on gloo and
-    NCCL, without numpy (``remat_dist.distributed.all_gather_objects``). Without an
-    initialised process group it reports this process alone.
+    A collective: call it on every rank of ``group`` after forward, with this rank's
+    roots (its loss), or after a step with none. Each rank's summary carries its
+    memory budgets (the peak since its previous call, the plans). Works on gloo and
+    NCCL, without numpy. Without an initialised process group it reports this
+    process alone.
+
+    Args:
+        *roots: this rank's roots, as for :func:`format_saved_tensors_report`.
+        group: the process group (default: the world).
+        dst: the global rank that receives the report.
+
+    Returns:
+        The :class:`~remat_dist.report.CrossRankReport` on ``dst``, ``None`` on the
+        other ranks.
+
+    Example::
+
+        >>> loss = model(tokens, targets)
+        >>> report = remat_dist.gather_saved_tensors_report(loss)
+        >>> loss.backward()
+        >>> if dist.get_rank() == 0:
+        ...     print(report.format())
     """
     import torch.distributed as dist
 

@@ -45,16 +45,27 @@ __all__ = ["format_current_memory_report", "print_current_memory_report"]
 def format_current_memory_report(
     annotate: Annotate | None = None, *, inputs: bool = True
 ) -> str:
-    """The current checkpoint's saved storages, per save region (see module doc).
+    """What the running checkpoint keeps so far, per kept region, as text.
 
-    Outside a checkpoint this says so instead of failing, so a call left in a model
-    that also runs without checkpoints is harmless. During a replay it reports the
-    record of the forward (nothing new is kept on replay) and says so.
+    Call it inside a checkpointed function. Outside a checkpoint it says so instead
+    of failing, so a call left in a model that also runs without checkpoints is
+    harmless. During a replay it reports the record of the forward (nothing new is
+    kept on replay) and says so.
 
     Args:
-        annotate: optional ``tensor -> label`` (e.g. :func:`memory_snapshot_annotate`)
-            for rows whose tensor the report can reach.
+        annotate: ``tensor -> label`` (e.g. :func:`memory_snapshot_annotate`) for
+            rows whose tensor the report can reach.
         inputs: also list the checkpoint's inputs (they are kept too).
+
+    Returns:
+        The report's text.
+
+    Example::
+
+        >>> def block(x):
+        ...     h = remat_dist.region(attention, "attention", recompute=False)(x)
+        ...     print(remat_dist.format_current_memory_report())
+        ...     return mlp(h)
     """
     record = current_frame()
     if record is None:
@@ -84,8 +95,22 @@ def print_current_memory_report(
     *,
     inputs: bool = True,
 ) -> None:
-    """Print :func:`format_current_memory_report` (to stdout by default; the
-    arguments in torch_remat's order)."""
+    """Print :func:`format_current_memory_report` (the arguments in torch_remat's order).
+
+    Args:
+        file: where to write (stdout by default).
+        annotate, inputs: as for :func:`format_current_memory_report`.
+
+    Returns:
+        None.
+
+    Example::
+
+        >>> def block(x):
+        ...     h = remat_dist.region(attention, "attention", recompute=False)(x)
+        ...     remat_dist.print_current_memory_report()
+        ...     return mlp(h)
+    """
     print(
         format_current_memory_report(annotate=annotate, inputs=inputs),
         file=file or sys.stdout,

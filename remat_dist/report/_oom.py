@@ -41,9 +41,25 @@ def format_oom_saved_tensors_report(
 ) -> str:
     """The text :func:`oom_observer` prints: the failed request, then the reports.
 
-    Without the allocator's numbers (torch_remat's
-    ``format_oom_saved_tensors_report(annotate=...)``) the first line says only
-    that this is the report at out of memory.
+    Args:
+        device, alloc, device_allocated, device_free: the allocator's numbers, as
+            the CUDA allocator passes them to an out-of-memory observer. Without
+            them (torch_remat's ``format_oom_saved_tensors_report(annotate=...)``)
+            the first line says only that this is the report at out of memory.
+        roots: the roots, or a callable returning them; ``None`` finds them
+            (:func:`discover_autograd_roots`).
+        annotate: as for :func:`format_saved_tensors_report`.
+
+    Returns:
+        The report's text.
+
+    Example::
+
+        >>> try:
+        ...     loss.backward()
+        ... except torch.cuda.OutOfMemoryError:
+        ...     print(remat_dist.format_oom_saved_tensors_report(roots=[loss]))
+        ...     raise
     """
     from remat_dist.core import current_frame
     from remat_dist.report._current import format_current_memory_report
@@ -101,6 +117,14 @@ def oom_observer(
 
     The observer never raises: a failure while reporting is printed instead, so it
     cannot hide the original out-of-memory error.
+
+    Returns:
+        The observer (first call shape), or ``None`` (when the allocator calls it).
+
+    Example::
+
+        >>> observer = remat_dist.oom_observer(lambda: [loss_ref()], file=sys.stderr)
+        >>> torch._C._cuda_attach_out_of_memory_observer(observer)
     """
     if allocator_args:
         if not (isinstance(roots, int) and len(allocator_args) == 3):
@@ -158,16 +182,34 @@ def attach_oom_observer(
     annotate: Annotate | Callable[[], Annotate] | None = None,
     file: IO[str] | None = None,
 ) -> OOMObserver | None:
-    """Register :func:`oom_observer` with the CUDA allocator; returns the observer.
+    """Register :func:`~remat_dist.oom_observer` with the CUDA allocator.
 
-    Without CUDA this warns and returns None (a training script can call it
-    unconditionally). The allocator keeps observers for the life of the process.
+    At an out-of-memory error the observer prints what backward would have needed,
+    from the roots given (or the live graphs), with allocation sites when
+    ``annotate`` gives them. The allocator keeps observers for the life of the
+    process.
+
+    Args:
+        roots: the roots, or a callable returning them at the error; ``None`` finds
+            them (:func:`~remat_dist.discover_autograd_roots`).
+        annotate: ``tensor -> label``, or a callable returning one at the error
+            (``remat_dist.memory_snapshot_annotate``).
+        file: where to write (stderr by default).
+
+    Returns:
+        The observer, or ``None`` without CUDA (with a warning, so a training
+        script can call it unconditionally).
+
+    Example::
+
+        >>> torch.cuda.memory._record_memory_history(max_entries=100_000)
+        >>> remat_dist.report.attach_oom_observer(annotate=remat_dist.memory_snapshot_annotate)
     """
     import torch
 
     if not torch.cuda.is_available():
         warnings.warn(
-            "remat_dist.attach_oom_observer: CUDA is not available; no observer "
+            "remat_dist.report.attach_oom_observer: CUDA is not available; no observer "
             "attached",
             stacklevel=2,
         )

@@ -19,14 +19,21 @@ def discover_autograd_roots() -> list[torch.Tensor]:
 
     Scans every object the garbage collector tracks for tensors with a ``grad_fn``,
     walks the graphs below them once, and keeps one tensor per node that is not an
-    input (``next_functions`` entry) of another node: the heads of the live graphs,
-    typically the losses and outputs still referenced.
+    input of another node: the heads of the live graphs, typically the losses and
+    outputs still referenced. Graphs reachable only from C++ (no live Python tensor)
+    are not found.
 
-    Cost: ``gc.get_objects()`` lists every tracked object in the process (tens of
-    milliseconds to seconds in a large program), then one visit per graph node. Use
-    it for diagnostics (OOM, debugging), not in a training step; pass the roots
-    explicitly when you have them. Graphs reachable only from C++ (no live Python
-    tensor) are not found.
+    It lists every object in the process (tens of milliseconds to seconds in a large
+    program): use it for diagnostics (an out-of-memory error, debugging), not in a
+    training step, and pass the roots explicitly when you have them.
+
+    Returns:
+        The root tensors.
+
+    Example::
+
+        >>> roots = remat_dist.discover_autograd_roots()
+        >>> print(remat_dist.format_saved_tensors_report(roots))
     """
     heads: dict[int, tuple[Any, torch.Tensor]] = {}
     tensor_type = torch.Tensor

@@ -46,6 +46,7 @@ from remat_dist.report._accounting import (
     breakdown_checkpoint,
     breakdown_torch_checkpoint,
     format_checkpoint_detail,
+    local_shapes,
 )
 from remat_dist.report._format import compress_names, format_bytes, plural, table
 from remat_dist.report._graph import (
@@ -370,12 +371,13 @@ def build_saved_tensors_report(roots: Any = None, *more: Any) -> SavedTensorsRep
                     nbytes=counted,
                     storage_nbytes=nbytes,
                     label=save.node_type,
-                    shape=tuple(save.tensor.shape),
+                    shape=local_shapes(save.tensor)[0],
                     dtype=save.tensor.dtype,
                     device=plain.device,
                     user_hook=save.user_hook,
                     counted_in=before,
                     tensor=plain,
+                    global_shape=local_shapes(save.tensor)[1],
                 )
             )
     if scan.scopes:
@@ -407,11 +409,29 @@ def build_saved_tensors_report(roots: Any = None, *more: Any) -> SavedTensorsRep
 def format_saved_tensors_report(
     roots: Any = None, *more: Any, annotate: Annotate | None = None
 ) -> str:
-    """The saved-tensors report for the roots as text (see module doc; roots as in
-    :func:`build_saved_tensors_report`).
+    """What backward will need, reachable from the roots, as text.
 
-    ``annotate``: optional ``tensor -> label`` appended to storage rows, e.g.
-    :func:`memory_snapshot_annotate` (allocation sites on CUDA).
+    Every byte the autograd graph below the roots keeps: per checkpoint its inputs,
+    what each kept region keeps and the outputs kept for replay; outside
+    checkpoints, per autograd node type. Parameters are listed but not counted.
+    DTensors show this rank's shape, the global one in brackets.
+
+    Args:
+        roots: tensors (usually the loss), autograd nodes, or lists, tuples or dicts
+            of them; ``None`` finds the live graphs
+            (:func:`discover_autograd_roots`, slow).
+        *more: further roots.
+        annotate: ``tensor -> label`` appended to each row, e.g.
+            :func:`memory_snapshot_annotate` (allocation sites on CUDA).
+
+    Returns:
+        The report's text; its first line is the total.
+
+    Example::
+
+        >>> loss = model(x).sum()
+        >>> print(remat_dist.format_saved_tensors_report(loss).splitlines()[0])
+        >>> loss.backward()
     """
     return build_saved_tensors_report(roots, *more).format(annotate)
 
@@ -422,7 +442,20 @@ def print_saved_tensors_report(
     annotate: Annotate | None = None,
     file: IO[str] | None = None,
 ) -> None:
-    """Print :func:`format_saved_tensors_report` (to stdout by default)."""
+    """Print :func:`format_saved_tensors_report`.
+
+    Args:
+        roots, *more, annotate: as for :func:`format_saved_tensors_report`.
+        file: where to write (stdout by default).
+
+    Example::
+
+        >>> loss = model(x).sum()
+        >>> remat_dist.print_saved_tensors_report(loss)
+
+    Returns:
+        None.
+    """
     print(
         format_saved_tensors_report(roots, *more, annotate=annotate),
         file=file or sys.stdout,
@@ -450,5 +483,16 @@ def saved_tensors_summary(roots: Any = None, *more: Any) -> dict[str, Any]:
     ``checkpoint_input_bytes``; ``torch_checkpoint`` sums them. ``kept_collective_bytes`` is the part of
     ``regions_bytes`` that ``collectives="save"`` keeps (collective outputs, so that
     replay issues no communication).
+
+    Args:
+        roots, *more: as for :func:`~remat_dist.format_saved_tensors_report`.
+
+    Returns:
+        The dict above.
+
+    Example::
+
+        >>> loss = model(x).sum()
+        >>> json.dumps(remat_dist.report.saved_tensors_summary(loss))
     """
     return build_saved_tensors_report(roots, *more).summary()

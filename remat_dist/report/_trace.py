@@ -118,8 +118,17 @@ def _format_metadata(metadata: Any) -> str:
 
 
 class Trace:
-    """A recorded region hierarchy; ``format()`` renders it, ``roots`` holds it,
-    ``entries`` gives it as torch_remat does."""
+    """A recorded region hierarchy, what :func:`~remat_dist.collect_trace` gives.
+
+    ``format()`` renders it as text (each checkpoint and region, kept or
+    recomputed); ``roots`` holds the tree; ``entries`` gives it as torch_remat does.
+
+    Example::
+
+        >>> with remat_dist.collect_trace() as trace:
+        ...     model(x)
+        >>> print(trace.format())
+    """
 
     def __init__(self) -> None:
         self.roots: list[TraceNode] = []
@@ -214,10 +223,20 @@ _active: ContextVar[tuple[Trace, ...]] = ContextVar("remat_dist_traces", default
 
 @contextmanager
 def collect_trace() -> Iterator[Trace]:
-    """Record the region hierarchy of the forward run inside the block.
+    """Record the region hierarchy that the forward inside the block runs.
 
-    Traces are per context (thread / asyncio task): another thread's checkpoints do
+    Traces are per context (thread or asyncio task): another thread's checkpoints do
     not show up. Nested ``collect_trace`` blocks each record what runs inside them.
+
+    Returns:
+        A context manager whose value is a :class:`~remat_dist.report.Trace`,
+        filled when the block exits.
+
+    Example::
+
+        >>> with remat_dist.collect_trace() as trace:
+        ...     loss = model(x).sum()
+        >>> print(trace.format())  # each checkpoint and region, kept or recomputed
     """
     trace = Trace()
     token = _active.set(_active.get() + (trace,))
@@ -235,9 +254,20 @@ def collect_trace() -> Iterator[Trace]:
 def trace_scope(function: F, name: str, *, metadata: Any = None) -> F:
     """Wrap ``function`` so that its calls add a level ``name`` to active traces.
 
-    ``trace_scope(block, "scope", metadata=["test_flag"])(x)`` shows as
-    ``scope [test_flag]``. Without an active trace, or while a checkpoint is being
-    replayed, the wrapper is a plain call.
+    Without an active trace, or during a replay, the wrapper is a plain call.
+
+    Args:
+        function: the callable to wrap.
+        name: the level's name in the trace.
+        metadata: shown after the name (``scope [test_flag]``).
+
+    Returns:
+        A callable with ``function``'s signature.
+
+    Example::
+
+        >>> with remat_dist.collect_trace() as trace:
+        ...     remat_dist.trace_scope(block, "scope", metadata=["test_flag"])(x)
     """
     if not callable(function):
         raise TypeError(f"trace_scope(function, {name!r}): function must be callable")

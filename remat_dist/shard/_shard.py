@@ -92,7 +92,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
                 raise RematUsageError(
                     "remat_dist.shard_model: the 1-D mesh is named 'tp' but no "
                     "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                    "remat_dist.reference_tp_plan()), or name the dim 'dp' to "
+                    "remat_dist.shard.reference_tp_plan()), or name the dim 'dp' to "
                     "shard with FSDP2 only."
                 )
             return None, mesh
@@ -113,7 +113,7 @@ def _split_mesh(mesh: Any, tp_plan: Any) -> tuple[Any | None, Any | None]:
             raise RematUsageError(
                 f"remat_dist.shard_model: mesh dims {names} include 'tp' but no "
                 "tp_plan was given. Fix: pass tp_plan= (e.g. "
-                "remat_dist.reference_tp_plan()), or drop the 'tp' dim."
+                "remat_dist.shard.reference_tp_plan()), or drop the 'tp' dim."
             )
         others = tuple(n for n in names if n != TP_DIM)
         fsdp_mesh = mesh[others[0]] if len(others) == 1 else mesh[others]
@@ -210,9 +210,20 @@ def shard_model(
         reshard_after_forward: ``fully_shard``'s option, for blocks and root.
         mp_policy: a ``MixedPrecisionPolicy`` for every ``fully_shard`` call.
 
-    Raises :class:`RematUsageError` for a mesh that does not fit the plan, a plan
-    that cannot be made correct, a model already sharded, or a checkpointed module
-    (``apply_remat``) that would contain FSDP units.
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        RematUsageError: a mesh that does not fit the plan, a plan that cannot be
+            made correct, a model already sharded, or a checkpointed module
+            (``apply_remat``) that would contain FSDP units.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+        >>> tp_plan = {"attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+        >>> remat_dist.apply_remat(model, blocks=Block, policy="full")
+        >>> remat_dist.shard_model(model, mesh, blocks=Block, tp_plan=tp_plan)
     """
     if not isinstance(model, nn.Module):
         raise RematUsageError(

@@ -71,13 +71,26 @@ def reference_tp_plan(sequence_parallel: bool = False) -> TensorParallelPlan:
     """The tensor-parallel plan of ``remat_dist.models.GPT`` blocks.
 
     Column-wise ``attention.wq/wk/wv`` and ``mlp.w1``, row-wise ``attention.wo``
-    and ``mlp.w2`` (needs ``n_heads`` divisible by the TP degree). With
-    ``sequence_parallel=True`` the norms run on this rank's sequence shard
-    (``SequenceParallel``), attention and MLP inputs are all-gathered along the
-    sequence and the row-wise outputs reduce-scattered back to it, so the residual
-    stream inside a block is sequence-sharded; ``shard_model`` slices each block's
-    (full) input and gathers its output (needs the sequence length divisible by the
-    TP degree). Embeddings, the final norm and the head stay replicated.
+    and ``mlp.w2`` (needs ``n_heads`` divisible by the TP degree). Embeddings, the
+    final norm and the head stay replicated. For a model of your own, pass a dict of
+    torch's ``ParallelStyle`` per block submodule to ``shard_model`` instead
+    (``examples/model.py``), or a :class:`TensorParallelPlan`.
+
+    Args:
+        sequence_parallel: the norms run on this rank's sequence shard
+            (``SequenceParallel``), attention and MLP inputs are all-gathered along
+            the sequence and the row-wise outputs reduce-scattered back, so the
+            residual stream inside a block is sequence-sharded; ``shard_model``
+            slices each block's (full) input and gathers its output (needs the
+            sequence length divisible by the TP degree).
+
+    Returns:
+        A :class:`TensorParallelPlan`.
+
+    Example::
+
+        >>> from remat_dist.shard import reference_tp_plan
+        >>> remat_dist.shard_model(model, mesh, blocks=Block, tp_plan=reference_tp_plan())
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -185,7 +198,7 @@ def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
         raise RematUsageError(
             "remat_dist.shard_model(tp_plan=...): expected a TensorParallelPlan or a "
             f"dict of per-block ParallelStyles, got {type(tp_plan).__name__}. Fix: "
-            "remat_dist.reference_tp_plan() for remat_dist.models.GPT."
+            "remat_dist.shard.reference_tp_plan() for remat_dist.models.GPT."
         )
     for key, style in plan.block.items():
         _check_style(key, style, "tp_plan.block")
@@ -218,7 +231,7 @@ def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
             "block_input='sequence', block_output='sequence') when the blocks expect "
             "and return this rank's sequence shard (shard_model then slices block "
             "inputs and gathers block outputs), or use "
-            "remat_dist.reference_tp_plan(sequence_parallel=True) for "
+            "remat_dist.shard.reference_tp_plan(sequence_parallel=True) for "
             "remat_dist.models.GPT."
         )
     root_seq = [k for k, s in plan.root.items() if _shards_sequence(s, seq_dim)]

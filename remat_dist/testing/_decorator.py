@@ -64,6 +64,15 @@ def distributed(
     generators you use. Fixtures and ``setup_method`` run in the pytest process
     only. Methods of test classes work: the body gets a fresh instance (made with no
     arguments) on each rank. ``@distributed`` alone means ``@distributed()``.
+
+    Args:
+        world_size: number of ranks.
+        timeout: seconds the body may take once the ranks are ready.
+        mesh_shape / mesh_dim_names: build a ``DeviceMesh`` (once per shape and
+            names, then reused), available as ``ctx.mesh``.
+
+    Returns:
+        A decorator for a pytest test function.
     """
     if callable(world_size):
         return distributed()(world_size)

@@ -157,6 +157,13 @@ def run_distributed(
             tracebacks. When one rank fails while the others block in a collective,
             the error comes about a second after the failure, not at the timeout.
         DistributedTimeoutError: no rank failed but some did not finish in time.
+
+    Example::
+
+        >>> def world(scale):
+        ...     return dist.get_world_size() * scale
+        >>> if __name__ == "__main__":
+        ...     print(run_distributed(world, 10, world_size=2))   # [20, 20]
     """
     ref = fn_reference(fn)
     return run_task(

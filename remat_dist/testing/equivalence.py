@@ -334,7 +334,7 @@ def assert_remat_equivalent(
     Returns an :class:`EquivalenceReport`; raises ``AssertionError`` listing the
     tensors that differ (and by how much) otherwise.
     """
-    from remat_dist.wrap import apply_remat, remat_plan
+    from remat_dist.wrap import apply_remat, checkpointed_blocks
 
     def build(with_remat: bool) -> nn.Module:
         torch.manual_seed(seed)
@@ -369,7 +369,7 @@ def assert_remat_equivalent(
     }
     reference = train_steps(build(False), inputs, **common)
     remat_model = build(True)
-    checkpointed = list(remat_plan(remat_model))
+    checkpointed = list(checkpointed_blocks(remat_model))
     candidate = train_steps(remat_model, inputs, **common)
     mismatches, gmax, pmax = compare_results(reference, candidate, atol=atol, rtol=rtol)
     if check_structure:

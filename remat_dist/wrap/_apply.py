@@ -62,7 +62,7 @@ from remat_dist.wrap._patch import (
 from remat_dist.wrap._planned import PLANNER_ATTR, PlannedPolicy
 from remat_dist.wrap._policy import RematPolicy, resolve_policy
 
-__all__ = ["apply_remat", "remat_plan", "remove_remat"]
+__all__ = ["apply_remat", "checkpointed_blocks", "remove_remat"]
 
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
 """On the model: the handle of the pre-hook that calls ``mark_step()``."""
@@ -111,12 +111,24 @@ def apply_remat(
     undoes it. A transformers model is also made safe to recompute, as its own
     gradient checkpointing does: while gradients are enabled it runs with
     ``use_cache=False`` (a warning says so when its config has the cache on), and a
-    ``MemoryBudget`` without ``regions`` takes its attention and MLP. Raises
-    :class:`RematUsageError` when a block is already checkpointed (naming it),
-    when selected blocks nest, when a block contains FSDP units or a
-    ``CheckpointWrapper`` (or has transformers' own checkpointing on), when the
-    policy names missing submodules, or when ``blocks`` is missing for a model
-    remat_dist does not know.
+    ``MemoryBudget`` without ``regions`` takes its attention and MLP.
+
+    Returns:
+        ``model``, changed in place (:func:`~remat_dist.wrap.checkpointed_blocks` says
+        what was checkpointed).
+
+    Raises:
+        RematUsageError: a block already checkpointed (naming it), selected
+            blocks that nest, a block containing FSDP units or a
+            ``CheckpointWrapper`` (or with transformers' own checkpointing on),
+            a policy naming missing submodules, or ``blocks`` missing for a model
+            remat_dist does not know.
+
+    Example::
+
+        >>> remat_dist.apply_remat(model, blocks=Block, policy={"attention": "save"})
+        >>> remat_dist.apply_remat(other, blocks=Block,
+        ...                        policy=remat_dist.MemoryBudget(bytes="2GiB"))
     """
     if not isinstance(model, nn.Module):
         raise RematUsageError(
@@ -230,7 +242,7 @@ def _check_free(name: str, module: nn.Module, regions: dict[str, str]) -> None:
 def _mark_step(module: nn.Module, args: Any) -> None:
     """A rank whose policy leaves a selected block unchecked takes part in the
     agreements of the groups its forward uses (its peers may checkpoint that block).
-    Where every block is checkpointed, the checkpoints put their groups at stake
+    Where every block is checkpointed, the checkpoints form their replay groups
     themselves, and nothing else is looked at: FSDP2's collectives pass untouched."""
     if torch.is_grad_enabled() and any(
         BLOCK_ATTR not in b.__dict__ for b in module.__dict__.get(SELECTED_ATTR, ())
@@ -239,12 +251,26 @@ def _mark_step(module: nn.Module, args: Any) -> None:
 
 
 def remove_remat(model: nn.Module) -> nn.Module:
-    """Undo every :func:`apply_remat` on ``model`` (blocks and policy regions);
-    returns ``model``. A no-op where nothing was applied.
+    """Undo every :func:`apply_remat` on ``model`` (blocks and policy regions).
 
-    Raises :class:`RematUsageError` while a graph built through a checkpointed
-    block is alive (its backward would replay the block without the regions its
-    forward ran): run that backward, or drop its outputs, first."""
+    Args:
+        model: the model; one that ``apply_remat`` never touched is returned as is.
+
+    Returns:
+        ``model``, with its blocks' own ``forward`` back.
+
+    Raises:
+        RematUsageError: a graph built through a checkpointed block is alive (its
+            backward would replay the block without the regions its forward ran):
+            run that backward, or drop its outputs, first.
+
+    Example::
+
+        >>> remat_dist.apply_remat(model, blocks=Block)
+        >>> remat_dist.remove_remat(model)
+        >>> remat_dist.wrap.checkpointed_blocks(model)
+        {}
+    """
     live = blocks_with_live_graphs(model.modules())
     if live:
         shown = ", ".join(repr(n) for n in live[:4]) + (", ..." if len(live) > 4 else "")
@@ -293,9 +319,23 @@ def _forget_compiled(model: nn.Module, caller: str) -> None:
         _dynamo.reset()
 
 
-def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:
-    """``{qualified name: BlockRemat}`` of the blocks :func:`apply_remat`
-    checkpointed in ``model`` (empty when none)."""
+def checkpointed_blocks(model: nn.Module) -> dict[str, BlockRemat]:
+    """What :func:`~remat_dist.apply_remat` checkpointed in ``model``.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``{qualified name: BlockRemat}``, in module order; empty when nothing is
+        checkpointed.
+
+    Example::
+
+        >>> remat_dist.apply_remat(model, blocks=Block, policy={"attention": "save"})
+        >>> blocks = remat_dist.wrap.checkpointed_blocks(model)
+        >>> blocks["layers.0"].regions
+        {'attention': 'save'}
+    """
     return {
         name: module.__dict__[BLOCK_ATTR]
         for name, module in model.named_modules()
@@ -305,4 +345,4 @@ def remat_plan(model: nn.Module) -> dict[str, BlockRemat]:
 
 def checkpointed_names(model: nn.Module) -> list[str]:
     """Qualified names of the checkpointed blocks (for ``shard_model``'s checks)."""
-    return list(remat_plan(model))
+    return list(checkpointed_blocks(model))

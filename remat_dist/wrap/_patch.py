@@ -59,7 +59,7 @@ REGION_ATTR = "_remat_dist_region"
 
 @dataclass
 class BlockRemat:
-    """What :func:`apply_remat` did to one block (see :func:`remat_plan`).
+    """What :func:`apply_remat` did to one block (see :func:`checkpointed_blocks`).
 
     Attributes:
         name: the block's qualified name; also the checkpoint's ``region_name``.
@@ -87,7 +87,7 @@ class BlockRemat:
 
 @dataclass
 class RegionSpec:
-    """What :func:`install_region` did to one submodule (see ``remat_plan``'s
+    """What :func:`install_region` did to one submodule (see ``checkpointed_blocks``'s
     ``BlockRemat.regions`` for the user-facing view)."""
 
     name: str

@@ -17,18 +17,12 @@ import torch
 import torch.nn.functional as F
 
 import remat_dist as remat
-from remat_dist import (
-    RematUsageError,
-    apply_remat,
-    current_plan,
-    remat_plan,
-    remove_remat,
-)
-from remat_dist.budget import parse_bytes
+from remat_dist import RematUsageError, apply_remat, remove_remat
+from remat_dist.budget import current_plan, parse_bytes
 from remat_dist.budget._solver import brute_force, plan_cost, solve
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter
-from remat_dist.wrap import PLANNER_ATTR, BlockInstaller
+from remat_dist.wrap import PLANNER_ATTR, BlockInstaller, checkpointed_blocks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=6, dropout=0.1)
 STEPS = 3  # the profiling step and two under the plan
@@ -160,7 +154,7 @@ def test_three_budgets_single_process(caplog):
         # 25% of the way allows more than one block without checkpoint, 75% not all
         decisions = {b.decision for b in plan.blocks}
         assert decisions != {"full"} and decisions != {"none"}
-        kept = {n: s.regions for n, s in remat_plan(model).items()}
+        kept = {n: s.regions for n, s in checkpointed_blocks(model).items()}
         for b in plan.blocks:
             assert (b.name in kept) == (b.decision != "none")
             if b.regions:
@@ -210,7 +204,7 @@ def test_budget_above_no_checkpointing_keeps_everything():
     model = _model(remat.MemoryBudget(bytes=ref[0][0]))
     runs = run_steps(model, batch, steps=2)
     assert set(current_plan(model).decisions().values()) == {"none"}
-    assert remat_plan(model) == {}
+    assert checkpointed_blocks(model) == {}
     assert runs[1][0] == ref[1][0]
     assert grads_equal(runs[1][1], ref[1][1])
 
@@ -221,7 +215,7 @@ def test_regions_override_and_errors():
     run_steps(model, make_batch(CFG, 2, seed=0), steps=1)
     assert list(current_plan(model).blocks[0].candidates) == ["full", "save mlp", "none"]
     remove_remat(model)
-    assert PLANNER_ATTR not in model.__dict__ and remat_plan(model) == {}
+    assert PLANNER_ATTR not in model.__dict__ and checkpointed_blocks(model) == {}
     with pytest.raises(RematUsageError, match="has no MemoryBudget"):
         current_plan(model)
     with pytest.raises(RematUsageError, match=r"block 'layers.0' \(Block\) has no submodule 'mlpp'"):
@@ -418,13 +412,13 @@ def test_remove_remat_while_a_graph_is_alive_is_refused():
             remove_remat(model)
         msg = str(ei.value)
         assert "'layers.0'" in msg and "Fix: run that backward" in msg
-        assert len(remat_plan(model)) == CFG.n_layers  # nothing was removed
+        assert len(checkpointed_blocks(model)) == CFG.n_layers  # nothing was removed
         loss.backward(retain_graph=True)
         with pytest.raises(RematUsageError, match="retain_graph"):
             remove_remat(model)
         del loss
         remove_remat(model)  # the graph is gone
-        assert remat_plan(model) == {}
+        assert checkpointed_blocks(model) == {}
         apply_remat(model, blocks=Block, policy=policy)
         model(tokens)  # dropped without backward: nothing to replay
         remove_remat(model)
@@ -588,7 +582,7 @@ def test_plan_installed_when_the_first_forward_is_not_backpropagated():
     assert current_plan(model) is None  # chosen, not yet running
     runs = _net_steps(model, x, steps=2)
     plan = current_plan(model)
-    assert set(plan.decisions().values()) == {"none"} and remat_plan(model) == {}
+    assert set(plan.decisions().values()) == {"none"} and checkpointed_blocks(model) == {}
     assert plan.measured_bytes == runs[1][0] > runs[0][0]
     del kept
 
@@ -667,7 +661,7 @@ def test_infeasible_message_names_the_smallest_plan():
 
 def test_plan_mismatch_keeps_raising(monkeypatch):
     import remat_dist.budget._planner as budget_mod
-    from remat_dist import PlanMismatchError
+    from remat_dist.errors import PlanMismatchError
 
     model = _net(remat.MemoryBudget(bytes="1MiB"))
     monkeypatch.setattr(budget_mod, "dist_ready", lambda: True)

@@ -18,14 +18,10 @@ import pytest
 import torch.nn.functional as F
 
 import remat_dist as remat
-from remat_dist import (
-    RematUsageError,
-    apply_remat,
-    current_plan,
-    reference_tp_plan,
-    shard_model,
-)
+from remat_dist import RematUsageError, apply_remat, shard_model
+from remat_dist.budget import current_plan
 from remat_dist.models import GPT, Block, make_batch
+from remat_dist.shard import reference_tp_plan
 from remat_dist.testing import DistContext, distributed
 from tests.budget.test_budget import (
     CFG,

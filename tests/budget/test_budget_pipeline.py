@@ -158,7 +158,7 @@ def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
         for step, (peak, _, _) in enumerate(runs):
             assert peak <= budget, (stage, frac, step, peak, budget)
         _bitwise(runs, ref)
-        plan = remat.current_plan(module)
+        plan = remat.budget.current_plan(module)
         assert plan is not None and plan.world_size == 1 and plan.ranks == (stage,)
         assert plan.in_flight == IN_FLIGHT[schedule_name][stage]
         assert plan.predicted_peak_bytes <= budget
@@ -260,7 +260,7 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     modules' blocks; each module's plan says it shares the budget."""
     ref, _ = _interleaved(ctx, None)
     _, probe = _interleaved(ctx, remat.MemoryBudget(bytes="1GiB"), steps=1)
-    plans = [remat.current_plan(m) for m in probe]
+    plans = [remat.budget.current_plan(m) for m in probe]
     costs, outside, _ = _joint_costs(plans)
     lo = outside + sum(min(w for w, _ in block) for block in costs)
     hi = outside + sum(block[-1][0] for block in costs)
@@ -272,7 +272,7 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
         for step, (peak, _, _) in enumerate(runs):
             assert peak <= budget, (ctx.rank, frac, step, peak, budget)
         _bitwise(runs, ref)
-        plans = [remat.current_plan(m) for m in mods]
+        plans = [remat.budget.current_plan(m) for m in mods]
         assert all(p is not None and p.shared_by == 2 for p in plans)
         joint = sum(p.predicted_peak_bytes for p in plans)
         assert all(p.rank_peak_bytes == joint <= budget for p in plans)
@@ -307,7 +307,7 @@ def _plan_within_the_stage(ctx, dim):
     for peak, _, _ in runs:
         assert peak <= budget, (ctx.rank, peak, budget)
     _bitwise(runs, ref)
-    plan = remat.current_plan(module)
+    plan = remat.budget.current_plan(module)
     mine = tuple(sorted(dist.get_process_group_ranks(mesh[dim].get_group())))
     assert plan.ranks == mine and plan.world_size == 2
     assert plan.in_flight == (2, 1)[mesh["pp"].get_local_rank()]

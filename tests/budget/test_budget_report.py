@@ -74,7 +74,7 @@ def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
     module, peaks, reports = _pipeline(
         remat.MemoryBudget(bytes=budget, measure_peak=True), pp, stage, steps=3
     )
-    plan = remat.current_plan(module)
+    plan = remat.budget.current_plan(module)
     assert plan is not None
     mine = (peaks, tuple(plan.decisions().items()), plan.in_flight,
             plan.predicted_peak_bytes)
@@ -104,7 +104,7 @@ def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
         assert "memory budget, peak per rank since the previous report: max" in text, text
         assert "the model of blocks 'layers.0'..'layers.1', 2 in flight:" in text, text
         assert "the model of blocks 'layers.2'..'layers.3', 1 in flight:" in text, text
-        back = remat.CrossRankReport.from_dict(json.loads(json.dumps(report.to_dict())))
+        back = remat.report.CrossRankReport.from_dict(json.loads(json.dumps(report.to_dict())))
         assert back == report
 
 
@@ -154,7 +154,7 @@ def test_budget_report_aggregates_formats_and_round_trips():
     assert "    stage c, 1 in flight: layers.4 none" in text
     d = json.loads(json.dumps(report.to_dict()))
     assert list(d) == ["world_size", "ranks", "regions", "totals", "budget"]
-    assert remat.CrossRankReport.from_dict(d) == report
+    assert remat.report.CrossRankReport.from_dict(d) == report
     assert BudgetReport.from_dict(d["budget"]) == b
     # no budget anywhere: no key; a peak not measured: said so, no statistics
     plain = aggregate_summaries([_summary(0, 10), _summary(1, 20)])
@@ -162,7 +162,7 @@ def test_budget_report_aggregates_formats_and_round_trips():
     unmeasured = aggregate_summaries([_summary(0, 10, _section(4000, None, [], 0))])
     assert unmeasured.budget is not None and unmeasured.budget.peaks is None
     assert "peaks not measured (MemoryBudget(bytes=..., measure_peak=True)" in unmeasured.format()
-    assert remat.CrossRankReport.from_dict(unmeasured.to_dict()) == unmeasured
+    assert remat.report.CrossRankReport.from_dict(unmeasured.to_dict()) == unmeasured
 
 
 def test_report_without_process_group_shows_this_ranks_budget():
@@ -203,7 +203,7 @@ def _report_in_one_process():
             assert rank.peak_bytes == 0
             continue
         assert rank.peak_bytes == meter.peak <= budget
-        plan = remat.current_plan(net)
+        plan = remat.budget.current_plan(net)
         assert rank.stages[0].decisions == tuple(plan.decisions().items())
     assert report.budget.peaks.imbalance == 1.0
 
@@ -259,7 +259,7 @@ def test_shared_budget_plans_two_models_jointly():
         budget = int(lo + frac * (hi - lo))
         a, b = _two_models(remat.MemoryBudget(bytes=budget))
         _step_both(a, b, x)
-        pa, pb = remat.current_plan(a), remat.current_plan(b)
+        pa, pb = remat.budget.current_plan(a), remat.budget.current_plan(b)
         assert pa is not None and pb is not None
         assert pa.shared_by == pb.shared_by == 2
         assert pa.rank_peak_bytes == pb.rank_peak_bytes == (
@@ -309,6 +309,6 @@ def test_separate_budget_objects_keep_separate_budgets():
     a, b = _two_models(remat.MemoryBudget(bytes=budget), remat.MemoryBudget(bytes=budget))
     _step_both(a, b, x)
     for m in (a, b):
-        plan = remat.current_plan(m)
+        plan = remat.budget.current_plan(m)
         assert plan.shared_by == 1 and plan.rank_peak_bytes == plan.predicted_peak_bytes
         assert plan.predicted_peak_bytes <= budget

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from remat_dist import apply_remat, reference_tp_plan, shard_model
+from remat_dist import apply_remat, shard_model
 from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
+from remat_dist.shard import reference_tp_plan
 from remat_dist.testing import SavedBytesCounter, dist_context, run_distributed
 from tests.compile._common import fresh_dynamo
 

@@ -74,10 +74,10 @@ def _assert_says(msg: str, *fragments: str) -> None:
         assert fragment in msg, (fragment, msg)
 
 
-def _replay_error(block: nn.Module, **options) -> remat.ReplayMismatchError:
+def _replay_error(block: nn.Module, **options) -> remat.errors.ReplayMismatchError:
     """The error backward raises through ``block`` checkpointed as 'layers.0'."""
     out = remat.checkpoint(region_name="layers.0", **options)(block)(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
+    with pytest.raises(remat.errors.ReplayMismatchError) as info:
         out.sum().backward()
     return info.value
 
@@ -135,7 +135,7 @@ def test_a_call_site_whose_earlier_replays_matched_still_raises_at_the_first_dif
     out.sum().backward()
     block.attention.cache.clear()
     out = run(_x())
-    with pytest.raises(remat.ReplayMismatchError) as info:
+    with pytest.raises(remat.errors.ReplayMismatchError) as info:
         out.sum().backward()
     line = _SAVED_AT if check == "metadata_per_tensor" else ()
     _assert_says(str(info.value), *_LONGER_CACHE, *line)
@@ -209,7 +209,7 @@ def test_the_fix_named_in_the_error_gives_the_gradients_of_no_checkpoint():
     ref = [p.grad.clone() for p in block.parameters()]
     block.zero_grad()
     block.attention.cache.clear()
-    hooks = (*remat.default_state_hooks(), CacheLength(block.attention.cache))
+    hooks = (*remat.distributed.default_state_hooks(), CacheLength(block.attention.cache))
     remat.checkpoint(region_name="layers.0", recompute_state_hooks=hooks)(block)(x).sum().backward()
     for p, r in zip(block.parameters(), ref):
         assert torch.equal(p.grad, r)
@@ -228,7 +228,7 @@ def test_a_flag_that_skips_work_on_replay_is_a_short_replay():
 
     out = remat.checkpoint(region_name="flagged")(f)(_x())
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        with pytest.raises(remat.ReplayMismatchError) as info:
+        with pytest.raises(remat.errors.ReplayMismatchError) as info:
             out.sum().backward()
     msg = str(info.value)
     assert "the replay of checkpoint 'flagged' did not reproduce its forward" in msg

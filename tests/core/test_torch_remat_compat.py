@@ -46,7 +46,7 @@ def test_preserve_rng_state_true_raises_not_implemented_naming_region_and_fix():
     msg = str(info.value)
     assert "checkpoint(region_name='layers.3')" in msg
     assert "recompute_state_hooks=remat_dist.distributed.default_state_hooks()" in msg
-    assert "(remat_dist.CPURNGStateHook(),)" in msg
+    assert "(remat_dist.distributed.CPURNGStateHook(),)" in msg
 
 
 def test_preserve_rng_state_not_a_bool_is_a_usage_error():
@@ -335,7 +335,7 @@ def test_torch_remats_keyword_names_and_report_call_shapes():
     text = remat.format_saved_tensors_report(roots=loss)
     assert text == remat.format_saved_tensors_report(roots=[loss])
     assert text == remat.format_saved_tensors_report(loss)
-    assert remat.saved_tensors_summary(roots=loss) == remat.saved_tensors_summary(loss)
+    assert remat.report.saved_tensors_summary(roots=loss) == remat.report.saved_tensors_summary(loss)
     out = io.StringIO()
     remat.print_saved_tensors_report(roots=loss, file=out)
     assert out.getvalue() == text + "\n"
@@ -344,3 +344,15 @@ def test_torch_remats_keyword_names_and_report_call_shapes():
     assert out.getvalue().strip() == remat.format_current_memory_report(None).strip()
     loss.backward()
     assert w.grad is not None
+
+
+def test_torch_call_shape_gets_an_error_showing_the_right_call():
+    def block(t):
+        return t.sin()
+
+    with pytest.raises(TypeError) as info:
+        remat.checkpoint(block, torch.randn(2, requires_grad=True))
+    assert isinstance(info.value, remat.RematUsageError)
+    assert "remat_dist.checkpoint(region_name='layers.0')(block)(x)" in str(info.value)
+    with pytest.raises(remat.RematUsageError, match=r"\(block\)\(\*args\)"):
+        remat.checkpoint(nn.Linear(2, 2))

@@ -29,7 +29,7 @@ def _model(mesh, policy):
     model = GPT(CONFIG)
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy)
-    remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
     return model
 
 
@@ -42,7 +42,7 @@ def _slow_gradient_all_reduce(policy, slow_s):
     backward (the embedding's gradient, the last one computed), rank 1 slow
     there by ``slow_s``: the seconds backward took and the gradients."""
     ctx = dist_context()
-    remat.set_replay_timeout(BOUND_S)
+    remat.distributed.set_replay_timeout(BOUND_S)
     try:
         model = _model(ctx.mesh["tp"], policy)
         reduced = torch.ones(3)
@@ -61,7 +61,7 @@ def _slow_gradient_all_reduce(policy, slow_s):
         grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
         return elapsed, grads, reduced
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
 
 
 def test_a_slow_rank_outside_replays_is_waited_for_as_torch_waits():
@@ -108,19 +108,19 @@ def test_fsdp2_x_tp_backward_collectives_carry_their_own_timeouts(ctx: DistConte
     # with: their group's timeout, untouched
     model = GPT(CONFIG)
     remat.apply_remat(model, blocks=Block, policy="full")
-    remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
     tokens, targets = make_batch(CONFIG, 4, seed=3)
     model.loss(tokens, targets).backward()  # the first step sets the rounds up
     probe = _Timeouts()
     probe.issue = _intercept._issue_bare
-    remat.set_replay_timeout(7.0)
+    remat.distributed.set_replay_timeout(7.0)
     _intercept._issue_bare = probe
     try:
         model.zero_grad()
         model.loss(tokens, targets).backward()
     finally:
         _intercept._issue_bare = probe.issue
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
     tp = tuple(dist.get_process_group_ranks(ctx.mesh["tp"].get_group()))
     dp = tuple(dist.get_process_group_ranks(ctx.mesh["dp"].get_group()))
     replayed = [s for s in probe.seen if s[3]]
@@ -137,7 +137,7 @@ def _stall_before_a_replayed_collective(seconds):
     """Rank 1 stalls in its replay before the attention's all-reduce, which rank
     0's replay re-issues and waits for: the bound ends that wait."""
     ctx = dist_context()
-    remat.set_replay_timeout(seconds)
+    remat.distributed.set_replay_timeout(seconds)
     try:
         model = _model(ctx.mesh["tp"], "full")
         if ctx.rank == 1:
@@ -157,7 +157,7 @@ def _stall_before_a_replayed_collective(seconds):
             outcome = f"{type(exc).__name__}: {exc}"
         return time.perf_counter() - t0, outcome
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
         # a timed-out collective leaves gloo's pairs out of step: retire the group
         dist.destroy_process_group()
 
@@ -180,7 +180,7 @@ def test_a_stall_before_a_replayed_collective_raises_at_the_bound():
 def test_none_restores_the_default_bound():
     from remat_dist.distributed._step import replay_timeout
 
-    remat.set_replay_timeout(2.0)
+    remat.distributed.set_replay_timeout(2.0)
     assert replay_timeout() == 2.0
-    remat.set_replay_timeout(None)
+    remat.distributed.set_replay_timeout(None)
     assert replay_timeout() == 300.0

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from remat_dist import CollectiveReplayError
 from remat_dist.distributed._collectives import (
     CollectiveLedger,
     RecordCollectives,
@@ -32,6 +31,7 @@ from remat_dist.distributed._collectives import (
     interception_key,
     observe_collectives,
 )
+from remat_dist.errors import CollectiveReplayError
 from remat_dist.testing import distributed
 
 

@@ -39,7 +39,7 @@ def _model(mesh, policy, *, collectives="replay", tp=True):
     model = GPT(CONFIG)
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy, collectives=collectives)
-    plan = remat.reference_tp_plan() if tp else None
+    plan = remat.shard.reference_tp_plan() if tp else None
     remat.shard_model(model, mesh, blocks=Block, tp_plan=plan)
     return model
 
@@ -108,7 +108,7 @@ def _loss(model):
 def test_tp_rank_dependent_save_decision(ctx: DistContext):
     policy = {"attention": "save"} if ctx.rank == 1 else "full"
     loss = _loss(_model(ctx.mesh, policy))
-    err = _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "layers.0::attention", "ranks [1]")
+    err = _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, "layers.0::attention", "ranks [1]")
     assert _backward_ops.last == []  # no rank issued a collective of this backward
     _same_on_every_rank(str(err))
     _clean_step(ctx.mesh)
@@ -119,7 +119,7 @@ def test_tp_rank_that_checkpoints_nothing(ctx: DistContext):
     # rank 1's policy checkpoints no block: apply_remat still makes it take part
     policy = "full" if ctx.rank == 0 else (lambda name, module: "none")
     loss = _loss(_model(ctx.mesh, policy))
-    _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "layers.0", "(nothing more)")
+    _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, "layers.0", "(nothing more)")
     assert _backward_ops.last == []
     _clean_step(ctx.mesh)
 
@@ -132,7 +132,7 @@ def test_tp_one_block_not_checkpointed_on_one_rank(ctx: DistContext):
         return "none" if (ctx.rank == 1 and name == "layers.1") else "full"
 
     loss = _loss(_model(ctx.mesh, policy))
-    _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "layers.1", "ranks [")
+    _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, "layers.1", "ranks [")
     assert _backward_ops.last == []
     _clean_step(ctx.mesh)
 
@@ -141,7 +141,7 @@ def test_tp_one_block_not_checkpointed_on_one_rank(ctx: DistContext):
 def test_tp_rank_dependent_collective_mode(ctx: DistContext):
     mode = "save" if ctx.rank == 1 else "replay"
     loss = _loss(_model(ctx.mesh, "full", collectives=mode))
-    _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "collectives=save", "ranks [1]")
+    _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, "collectives=save", "ranks [1]")
     assert _backward_ops.last == []
     _clean_step(ctx.mesh)
 
@@ -169,7 +169,7 @@ def test_fsdp2_rank_dependent_policy_is_harmless_and_free(ctx: DistContext):
 
 def _2d_one_rank_differs_body():
     ctx = dist_context()
-    remat.set_replay_timeout(2.0)
+    remat.distributed.set_replay_timeout(2.0)
     try:
         policy = {"attention": "save"} if ctx.rank == 3 else "full"
         loss = _loss(_model(ctx.mesh, policy))
@@ -181,7 +181,7 @@ def _2d_one_rank_differs_body():
             outcome = f"{type(exc).__name__}: {exc}"
         return time.perf_counter() - t0, outcome, _backward_ops.last
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
         dist.destroy_process_group()  # ranks 0 and 1 timed out in a collective
 
 
@@ -211,18 +211,18 @@ def test_two_stakes_failing_in_the_same_step(ctx: DistContext):
     # Both TP groups differ (rank 1 in [0, 1], rank 3 in [2, 3]): each raises on
     # its own ranks, naming its own rank, before any collective of the backward;
     # the next step is clean everywhere.
-    remat.set_replay_timeout(2.0)
+    remat.distributed.set_replay_timeout(2.0)
     try:
         policy = {"attention": "save"} if ctx.rank in (1, 3) else "full"
         loss = _loss(_model(ctx.mesh, policy))
         pair = [0, 1] if ctx.rank < 2 else [2, 3]
-        err = _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, f"of ranks {pair}")
+        err = _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, f"of ranks {pair}")
         assert f"ranks [{pair[1]}]" in str(err), str(err)
         assert _backward_ops.last == []
         err = loss = None  # the step is dropped: its graph dies
         _clean_step(ctx.mesh)
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
@@ -232,20 +232,20 @@ def test_a_rank_that_stalls_before_its_report(ctx: DistContext):
     # end-of-backward report and raises CollectiveReplayError naming rank 1;
     # rank 1 comes to a report its peer gave up on and raises too, saying it
     # came late. Both dropped the step: the next steps are clean on both.
-    remat.set_replay_timeout(1.0)
+    remat.distributed.set_replay_timeout(1.0)
     try:
         x = torch.randn(4, 8, requires_grad=True)
         if ctx.rank == 1:
             x.register_hook(lambda g: (time.sleep(3.0), g)[1])
         y = remat.checkpoint(region_name="report_blk")(_with_all_reduce)(x)
         if ctx.rank == 0:
-            err = _expect(lambda: y.sum().backward(), remat.CollectiveReplayError, bound=4.0)
+            err = _expect(lambda: y.sum().backward(), remat.errors.CollectiveReplayError, bound=4.0)
             assert "ranks [1] of [0, 1] did not reach the end-of-backward report" in str(err), str(err)
         else:
-            err = _expect(lambda: y.sum().backward(), remat.CollectiveReplayError, bound=5.0)
+            err = _expect(lambda: y.sum().backward(), remat.errors.CollectiveReplayError, bound=5.0)
             assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
     y = err = None
     for _ in range(2):
         x = torch.randn(4, 8, requires_grad=True)
@@ -273,7 +273,7 @@ def test_forward_ledger_differs_on_one_rank(ctx: DistContext):
     y = remat.checkpoint(region_name="ledger_blk")(body)(x)
     _expect(
         lambda: _backward_ops(mlp(y).sum()),
-        remat.PlanMismatchError,
+        remat.errors.PlanMismatchError,
         "checkpoint 'ledger_blk'",
         "ranks [0]: 1 collective(s)",
         "ranks [1]: 2 collective(s)",
@@ -293,7 +293,7 @@ def test_tp_extra_collective_during_replay(ctx: DistContext):
     loss = _loss(model)
     err = _expect(
         lambda: _backward_ops(loss),
-        remat.CollectiveReplayError,
+        remat.errors.CollectiveReplayError,
         "ranks [1]",
         "checkpoint 'layers.1'",
         "collective 2 of the replay",
@@ -316,7 +316,7 @@ def test_fsdp2_collective_in_a_replay_whose_forward_issued_none(ctx: DistContext
     loss = _loss(model)
     err = _expect(
         lambda: _backward_ops(loss),
-        remat.CollectiveReplayError,
+        remat.errors.CollectiveReplayError,
         f"rank {ctx.rank}, checkpoint 'layers.2'",
         "expected: nothing more (this replay issues 0 of the forward's 0",
         "actual:   allreduce_",
@@ -342,7 +342,7 @@ def test_tp_reshaped_collective_during_replay(ctx: DistContext):
         y = remat.checkpoint(region_name="shape_blk")(body)(x)
         _backward_ops(mlp(y).sum())  # TP backward all-reduces follow the replay
 
-    err = _expect(run, remat.CollectiveReplayError, "shape_blk", "ranks [0]", "f32[5]", "f32[4]")
+    err = _expect(run, remat.errors.CollectiveReplayError, "shape_blk", "ranks [0]", "f32[5]", "f32[4]")
     _same_on_every_rank(str(err))
     _clean_step(ctx.mesh)
 
@@ -359,7 +359,7 @@ def test_tp_exception_during_replay(ctx: DistContext):
     loss = _loss(model)
     err = _expect(
         lambda: _backward_ops(loss),
-        remat.CollectiveReplayError,
+        remat.errors.CollectiveReplayError,
         "ranks [1]",
         "ValueError: replay-only failure",
         "checkpoint 'layers.1'",
@@ -380,7 +380,7 @@ def test_tp_replay_that_saves_other_tensors_on_one_rank(ctx: DistContext):
     loss = _loss(model)
     err = _expect(
         lambda: _backward_ops(loss),
-        remat.CollectiveReplayError,
+        remat.errors.CollectiveReplayError,
         "ranks [1]",
         "checkpoint 'layers.1'",
         "did not reproduce its forward",
@@ -441,7 +441,7 @@ def test_2d_exception_during_replay_on_one_rank(ctx: DistContext):
     loss = _loss(model)
     if ctx.rank in (2, 3):
         # the stake of the failed replay: its ranks raise, with the same text
-        err = _expect(lambda: _backward_ops(loss), remat.CollectiveReplayError, "ranks [2]", "rank 2 only")
+        err = _expect(lambda: _backward_ops(loss), remat.errors.CollectiveReplayError, "ranks [2]", "rank 2 only")
         text = str(err)
     else:
         # not at stake: the backward completes (rank 2 finished its own with
@@ -465,19 +465,19 @@ def test_plan_check_is_a_collective_call(ctx: DistContext):
     # come. The other took no part in it: its next call is not an error but meets
     # its peer's next call (on the stake's next group), and both compare the
     # same checkpoints (a call that did not complete compared nothing).
-    remat.set_replay_timeout(1.0)
+    remat.distributed.set_replay_timeout(1.0)
     try:
         x = torch.randn(4, 8, requires_grad=True)
         remat.checkpoint(region_name="chk_blk")(lambda t: t.sin().cos())(x)
         if ctx.rank == 0:
-            err = _expect(remat.check_plan_consistency, remat.PlanMismatchError, bound=4.0)
+            err = _expect(remat.distributed.check_plan_consistency, remat.errors.PlanMismatchError, bound=4.0)
             assert "ranks [1] of [0, 1] did not reach check_plan_consistency()" in str(err)
         dist.barrier()
-        remat.check_plan_consistency()
+        remat.distributed.check_plan_consistency()
         remat.checkpoint(region_name="chk_blk")(lambda t: t.sin().cos())(x)
-        remat.check_plan_consistency()
+        remat.distributed.check_plan_consistency()
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
 
 
 @distributed(world_size=4, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
@@ -488,10 +488,10 @@ def test_plan_check_honours_the_group(ctx: DistContext):
     name = "grp_b" if ctx.rank == 3 else "grp_a"
     remat.checkpoint(region_name=name)(lambda t: t.sin().cos())(x)
     if ctx.rank in (2, 3):
-        err = _expect(lambda: remat.check_plan_consistency(tp_group), remat.PlanMismatchError, "grp_b", "ranks [3]")
+        err = _expect(lambda: remat.distributed.check_plan_consistency(tp_group), remat.errors.PlanMismatchError, "grp_b", "ranks [3]")
         assert "check_plan_consistency() of ranks [2, 3]" in str(err)
     else:
-        remat.check_plan_consistency(tp_group)
+        remat.distributed.check_plan_consistency(tp_group)
 
 
 @distributed(world_size=2)
@@ -502,10 +502,10 @@ def test_plan_check_step_level(ctx: DistContext):
         return remat.region(torch.sin, "act", recompute=True)(t).cos()
 
     remat.checkpoint(region_name="step_plan_a")(body)(x).sum().backward()
-    remat.check_plan_consistency()  # nothing new since the last agreement: passes
+    remat.distributed.check_plan_consistency()  # nothing new since the last agreement: passes
     name = "step_plan_b" if ctx.rank == 0 else "step_plan_c"
     remat.checkpoint(region_name=name)(body)(x)
-    _expect(remat.check_plan_consistency, remat.PlanMismatchError, "step_plan_c", "ranks [1]")
+    _expect(remat.distributed.check_plan_consistency, remat.errors.PlanMismatchError, "step_plan_c", "ranks [1]")
 
 
 # --- a rank dies during replay: bounded, never 30 minutes (a stall before a
@@ -514,7 +514,7 @@ def test_plan_check_step_level(ctx: DistContext):
 
 def _die_body(path):
     ctx = dist_context()
-    remat.set_replay_timeout(5.0)
+    remat.distributed.set_replay_timeout(5.0)
     try:
         model = _model(ctx.mesh, "full")
         if ctx.rank == 1:
@@ -529,7 +529,7 @@ def _die_body(path):
         with open(path, "w") as f:
             f.write(f"{time.perf_counter() - t0:.3f}\n{outcome}")
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
 
 
 def test_dead_rank_bounded(tmp_path):
@@ -558,19 +558,19 @@ def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
     # bound; rank 1 comes late, finds the round given up, looks for its peer on
     # the stake's next group (rank 0 is in its next forward by then), raises
     # after one more bound; the step after runs clean on both.
-    remat.set_replay_timeout(1.0)
+    remat.distributed.set_replay_timeout(1.0)
     try:
         x = torch.randn(4, 8, requires_grad=True)
         y = remat.checkpoint(region_name="late_blk")(_with_all_reduce)(x)
         if ctx.rank == 0:
-            err = _expect(lambda: y.sum().backward(), remat.PlanMismatchError, bound=4.5)
+            err = _expect(lambda: y.sum().backward(), remat.errors.PlanMismatchError, bound=4.5)
             assert "ranks [1] of [0, 1] did not reach the plan agreement of ranks [0, 1] within 1 s" in str(err), str(err)
         else:
             time.sleep(2.5)  # busy elsewhere
-            err = _expect(lambda: y.sum().backward(), remat.PlanMismatchError, bound=3.5)
+            err = _expect(lambda: y.sum().backward(), remat.errors.PlanMismatchError, bound=3.5)
             assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
     y = None  # the step is dropped: its graph dies
     x = torch.randn(4, 8, requires_grad=True)
     remat.checkpoint(region_name="after_blk")(_with_all_reduce)(x).sum().backward()
@@ -603,7 +603,7 @@ def test_replay_computes_while_its_agreement_travels(ctx: DistContext):
     remat.checkpoint(region_name="posted_blk")(block)(x).sum().backward()
     x.grad = None
     signalling.append(True)
-    remat.set_replay_timeout(10.0)  # generous: only a regression meets it
+    remat.distributed.set_replay_timeout(10.0)  # generous: only a regression meets it
     try:
         y = remat.checkpoint(region_name="posted_blk")(block)(x)
         if ctx.rank == 0:
@@ -612,7 +612,7 @@ def test_replay_computes_while_its_agreement_travels(ctx: DistContext):
             )
         y.sum().backward()
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
     with torch.no_grad():
         expected = -torch.sin(x.sin()) * x.cos() * 2
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
@@ -623,14 +623,14 @@ def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
     # Rank 1's backward raises in a hook after the replay: rank 0 waits at the
     # end-of-backward report; rank 1's next step joins the missed report saying
     # so (or rank 0 gives up after the bound), and both run the steps after that.
-    remat.set_replay_timeout(1.0)
+    remat.distributed.set_replay_timeout(1.0)
     try:
         x = torch.randn(4, 8, requires_grad=True)
         if ctx.rank == 1:
             x.register_hook(lambda g: (_ for _ in ()).throw(ValueError("hook failed")))
         y = remat.checkpoint(region_name="hook_blk")(_with_all_reduce)(x)
         if ctx.rank == 0:
-            err = _expect(lambda: y.sum().backward(), remat.CollectiveReplayError, bound=5.0)
+            err = _expect(lambda: y.sum().backward(), remat.errors.CollectiveReplayError, bound=5.0)
             text = str(err)
             assert "rank 1: backward raised before the end of the step" in text or (
                 "did not reach the end-of-backward report" in text
@@ -638,7 +638,7 @@ def test_backward_raising_outside_a_replay_on_one_rank(ctx: DistContext):
         else:
             _expect(lambda: y.sum().backward(), ValueError, "hook failed")
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
     for _ in range(2):
         x = torch.randn(4, 8, requires_grad=True)
         remat.checkpoint(region_name="next_blk")(_with_all_reduce)(x).sum().backward()
@@ -665,7 +665,7 @@ def test_agreement_finished_at_backwards_end_where_no_collective_follows(ctx: Di
     loss = remat.checkpoint(region_name="end_blk")(block(True))(x).sum()
     assert _backward_ops(loss) == []
     loss = remat.checkpoint(region_name="end_blk")(block(ctx.rank == 0))(x).sum()
-    err = _expect(lambda: _backward_ops(loss), remat.PlanMismatchError, "inner", "ranks [1]")
+    err = _expect(lambda: _backward_ops(loss), remat.errors.PlanMismatchError, "inner", "ranks [1]")
     assert _backward_ops.last == []
     _same_on_every_rank(str(err))
     err = loss = None  # the step is dropped: its graph dies
@@ -727,7 +727,7 @@ def test_logging_says_each_agreement_and_each_divergence_with_the_rank(ctx: Dist
         remat.checkpoint(region_name="log_blk")(_with_all_reduce)(x).sum().backward()
         name = "log_a" if ctx.rank == 0 else "log_b"
         y = remat.checkpoint(region_name=name)(_with_all_reduce)(x)
-        with pytest.raises(remat.PlanMismatchError):
+        with pytest.raises(remat.errors.PlanMismatchError):
             y.sum().backward()
     finally:
         logger.removeHandler(handler)
@@ -812,7 +812,7 @@ def _checked_step(ctx: DistContext, group) -> None:
         model = _model(ctx.mesh, policy)
         loss = model.loss(tokens, targets)
         if policy is not None:
-            remat.check_plan_consistency(group)
+            remat.distributed.check_plan_consistency(group)
         loss.backward()
         grads.append({n: _local(p.grad) for n, p in model.named_parameters()})
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
@@ -845,26 +845,26 @@ def test_next_step_is_clean_after_the_check_raises(ctx: DistContext, case, group
     # the same plan on every rank, must run clean: its check passes and its
     # backward's agreement compares only step 2's checkpoints.
     group = None if group_form == "world" else ctx.mesh.get_group()
-    remat.set_replay_timeout(1.0)
+    remat.distributed.set_replay_timeout(1.0)
     try:
         policy, mode = _policy_for(case, ctx.rank)
         loss = _loss(_model(ctx.mesh, policy, collectives=mode))
         if case.startswith("check_on_one_rank") and ctx.rank == 1:
             if case == "check_on_one_rank":
                 # it goes on to backward: its agreement meets rank 0's check
-                _expect(lambda: loss.backward(), remat.PlanMismatchError, "ran different rounds")
+                _expect(lambda: loss.backward(), remat.errors.PlanMismatchError, "ran different rounds")
         elif case == "check_on_one_rank_other_skips_backward" and ctx.rank == 0:
-            err = _expect(lambda: remat.check_plan_consistency(group), remat.PlanMismatchError, bound=4.0)
+            err = _expect(lambda: remat.distributed.check_plan_consistency(group), remat.errors.PlanMismatchError, bound=4.0)
             assert "ranks [1] of [0, 1] did not reach check_plan_consistency()" in str(err)
         elif case == "check_on_one_rank":
-            _expect(lambda: remat.check_plan_consistency(group), remat.PlanMismatchError, "ran different rounds")
+            _expect(lambda: remat.distributed.check_plan_consistency(group), remat.errors.PlanMismatchError, "ran different rounds")
         else:
-            err = _expect(lambda: remat.check_plan_consistency(group), remat.PlanMismatchError, "ranks [1]")
+            err = _expect(lambda: remat.distributed.check_plan_consistency(group), remat.errors.PlanMismatchError, "ranks [1]")
             _same_on_every_rank(str(err))
         loss = None  # the step is dropped: its graph dies
         _checked_step(ctx, group)
     finally:
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
@@ -881,7 +881,7 @@ def test_next_step_is_clean_after_the_report_raises_on_the_same_model(ctx: DistC
             if remat.is_recomputing():
                 raise ValueError("step 1 only")
         handle = model.layers[1].mlp.register_forward_pre_hook(boom)
-    _expect(lambda: _loss(model).backward(), remat.CollectiveReplayError, "ranks [1]", "step 1 only")
+    _expect(lambda: _loss(model).backward(), remat.errors.CollectiveReplayError, "ranks [1]", "step 1 only")
     if handle is not None:
         handle.remove()
     model.zero_grad()

@@ -23,7 +23,7 @@ def _tp_gpt(mesh, policy, collectives):
     model = GPT(CONFIG)
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy, collectives=collectives)
-    remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+    remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
     return model
 
 
@@ -112,7 +112,7 @@ def test_2d_fsdp_tp_replay_modes_equal_reference(ctx: DistContext):
         model = GPT(CONFIG)
         if policy is not None:
             remat.apply_remat(model, blocks=Block, policy=policy, collectives=collectives)
-        remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+        remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
         return model
 
     ref, ref_ops, _ = _step(build(None, "replay"))
@@ -133,7 +133,7 @@ def test_no_process_group_records_nothing():
     rec = [r for r in live_records() if r.name == "single"][-1]
     assert ledger_of(rec) is None
     out.sum().backward()
-    remat.check_plan_consistency()  # a no-op
+    remat.distributed.check_plan_consistency()  # a no-op
 
 
 @distributed(world_size=2, mesh_shape=(2,))

@@ -52,7 +52,7 @@ def _straggle(step: int, world: int, rank: int) -> None:
 
 def _soak_tp() -> dict[int, dict[str, int]]:
     ctx = dist_context()
-    remat.set_replay_timeout(BOUND_S)
+    remat.distributed.set_replay_timeout(BOUND_S)
     try:
         models = []
         for policy in (None, "full"):
@@ -60,7 +60,7 @@ def _soak_tp() -> dict[int, dict[str, int]]:
             model = GPT(CONFIG)
             if policy is not None:
                 remat.apply_remat(model, blocks=Block, policy=policy)
-            remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.reference_tp_plan())
+            remat.shard_model(model, ctx.mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
             models.append((model, torch.optim.SGD(model.parameters(), lr=0.01)))
         seen = {}
         for step in range(1, STEPS + 1):
@@ -79,7 +79,7 @@ def _soak_tp() -> dict[int, dict[str, int]]:
                 seen[step] = _counts()
         return seen
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
 
 
 def _loss_fn(logits, targets):
@@ -92,7 +92,7 @@ def _soak_pp_tp() -> dict[int, dict[str, int]]:
     ctx = dist_context()
     pp_rank, tp_mesh = ctx.mesh.get_local_rank("pp"), ctx.mesh["tp"]
     pp_group = ctx.mesh["pp"].get_group()
-    remat.set_replay_timeout(BOUND_S)
+    remat.distributed.set_replay_timeout(BOUND_S)
     try:
         runs = []
         for policy in (None, "full"):
@@ -127,7 +127,7 @@ def _soak_pp_tp() -> dict[int, dict[str, int]]:
                 seen[step] = _counts()
         return seen
     finally:
-        remat.set_replay_timeout(None)
+        remat.distributed.set_replay_timeout(None)
 
 
 def _assert_flat(per_rank: list[dict[int, dict[str, int]]]) -> None:

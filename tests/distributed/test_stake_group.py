@@ -117,7 +117,7 @@ def _setup_fails_body(path: str) -> None:
     from remat_dist.testing import dist_context
 
     ctx = dist_context()
-    remat.set_replay_timeout(2.0)
+    remat.distributed.set_replay_timeout(2.0)
     if ctx.rank == 1:
         os.environ["GLOO_SOCKET_IFNAME"] = "rdnoif0"
     try:
@@ -139,7 +139,7 @@ def _setup_fails_body(path: str) -> None:
             f.write(f"{time.perf_counter() - t0:.3f}\n{outcome}")
     finally:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        remat.set_replay_timeout(20.0)
+        remat.distributed.set_replay_timeout(20.0)
 
 
 def test_a_group_that_cannot_be_set_up_says_so_on_every_rank(tmp_path):

@@ -83,10 +83,10 @@ def test_moe_permuted_routing_raises_on_every_rank(ctx: DistContext):
     moe.permute_on_replay = True
     assert not _equal(reference, _moe_step(moe, "metadata"))
 
-    with pytest.raises(remat.ReplayValueMismatchError) as ei:
+    with pytest.raises(remat.errors.ReplayValueMismatchError) as ei:
         _moe_step(moe, "values")
     text = str(ei.value)
-    assert isinstance(ei.value, remat.CollectiveReplayError)
+    assert isinstance(ei.value, remat.errors.CollectiveReplayError)
     assert "every rank of [0, 1]" in text and "ranks [0, 1]" in text, text
     assert "[rank 0] rank 0, checkpoint 'moe'" in text and "[rank 1] rank 1" in text, (
         text
@@ -108,7 +108,7 @@ def test_environment_turns_the_check_on(ctx: DistContext):
     moe.permute_on_replay = True
     os.environ["REMAT_DIST_DETERMINISM_CHECK"] = "values"
     try:
-        with pytest.raises(remat.ReplayValueMismatchError, match="alltoall_base_"):
+        with pytest.raises(remat.errors.ReplayValueMismatchError, match="alltoall_base_"):
             _moe_step(moe, "metadata")
     finally:
         del os.environ["REMAT_DIST_DETERMINISM_CHECK"]
@@ -122,7 +122,7 @@ def test_a_router_that_differs_on_one_rank(ctx: DistContext):
     # Both raise the same report, the cause and its effect named by rank.
     moe = MoE()
     moe.permute_on_replay = ctx.rank == 1
-    with pytest.raises(remat.ReplayValueMismatchError) as ei:
+    with pytest.raises(remat.errors.ReplayValueMismatchError) as ei:
         _moe_step(moe, "values")
     text = str(ei.value)
     assert "failed on ranks [0, 1]" in text, text
@@ -139,7 +139,7 @@ def _gpt(mesh, check: str | None, tp: bool) -> GPT:
     model = GPT(CONFIG)
     if check is not None:
         remat.apply_remat(model, blocks=Block, determinism_check=check)
-    plan = remat.reference_tp_plan() if tp else None
+    plan = remat.shard.reference_tp_plan() if tp else None
     remat.shard_model(model, mesh, blocks=Block, tp_plan=plan)
     return model
 
@@ -182,7 +182,7 @@ def _train(ctx: DistContext, tp: bool) -> None:
     try:
         loss = model.loss(*make_batch(CONFIG, 2, seed=seed))
         if tp or ctx.rank == 1:
-            with pytest.raises(remat.ReplayValueMismatchError) as ei:
+            with pytest.raises(remat.errors.ReplayValueMismatchError) as ei:
                 loss.backward()
             assert "checkpoint 'layers.0'" in str(ei.value) and "rank 1," in str(
                 ei.value

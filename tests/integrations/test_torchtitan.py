@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat_dist import RematUsageError, apply_remat, remat_plan
+from remat_dist import RematUsageError, apply_remat
 from remat_dist.integrations import torchtitan as tt
 from remat_dist.integrations.torchtitan import _override as tt_override
 from remat_dist.integrations.torchtitan._config import SETTINGS_ATTR
+from remat_dist.wrap import checkpointed_blocks
 from tests.integrations import _standin as S
 
 ALL = ["layers.0", "layers.1", "layers.2", "layers.3"]
@@ -71,7 +72,7 @@ def test_right_blocks_and_same_training_as_without_ac(
     model = S.build()
     assert tt.selected_blocks(model, config) == blocks
     assert tt.apply_ac(model, config) is model
-    plan = remat_plan(model)
+    plan = checkpointed_blocks(model)
     assert list(plan) == blocks
     assert all(spec.regions == regions for spec in plan.values())
     # preserve_rng_state=True -> remat_dist's default RNG hooks (dropout replays)
@@ -116,8 +117,8 @@ def test_counts_right_when_the_moe_is_a_save_region(reference):
         config,
         op_policy=lambda name, m: {"moe": "save"} if m.moe_enabled else "full",
     )
-    assert remat_plan(model)["layers.1"].regions == {"moe": "save"}
-    assert remat_plan(model)["layers.0"].regions == {}
+    assert checkpointed_blocks(model)["layers.1"].regions == {"moe": "save"}
+    assert checkpointed_blocks(model)["layers.0"].regions == {}
     _assert_same(S.train_step(model, steps=2), reference)
 
 
@@ -145,7 +146,7 @@ def test_refuses_when_it_would_apply_nothing(config, words):
     model = S.build()
     with pytest.raises(RematUsageError, match=words):
         tt.apply_ac(model, config)
-    assert remat_plan(model) == {}
+    assert checkpointed_blocks(model) == {}
     assert tt.guarded_counters(model) == []
     assert "_remat_dist_step_hook" not in model.__dict__
 
@@ -162,7 +163,7 @@ def test_a_pipeline_stage_without_blocks_is_left_alone(caplog):
     stage.output = torch.nn.Linear(2, 2)
     with caplog.at_level("INFO", logger="remat_dist"):
         assert tt.apply_ac(stage, "full") is stage
-    assert remat_plan(stage) == {}
+    assert checkpointed_blocks(stage) == {}
     assert "no transformer blocks in this model part" in caplog.text
 
 
@@ -176,7 +177,7 @@ def test_knobs_map_onto_apply_remat():
     texts = [str(w.message) for w in caught]
     assert any("debug" in t for t in texts), texts
     assert not any("with dropout" in t for t in texts), texts  # no nn.Dropout here
-    spec = remat_plan(model)["layers.0"]
+    spec = checkpointed_blocks(model)["layers.0"]
     assert spec.state_hooks == ()
     assert spec.collectives == "save"
     settings = tt.read_ac_config(config)
@@ -208,7 +209,7 @@ def test_remove_ac_restores_the_model(reference):
     model = S.build()
     tt.apply_ac(model, S.JobACConfig(mode="full"))
     tt.remove_ac(model)
-    assert remat_plan(model) == {} and tt.guarded_counters(model) == []
+    assert checkpointed_blocks(model) == {} and tt.guarded_counters(model) == []
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert all(SETTINGS_ATTR not in m.__dict__ for m in model.modules())
     _assert_same(S.train_step(model, steps=2), reference)
@@ -297,8 +298,8 @@ def test_override_factory_replaces_torchtitans_ac(monkeypatch, reference):
     assert (replaced.mode, replaced.collectives) == ("full", "save")
     model = S.build()
     replaced.build(dump_folder="").apply(model)
-    assert list(remat_plan(model)) == ALL
-    assert remat_plan(model)["layers.0"].collectives == "save"
+    assert list(checkpointed_blocks(model)) == ALL
+    assert checkpointed_blocks(model)["layers.0"].collectives == "save"
     _assert_same(S.train_step(model, steps=2), reference)
     with pytest.raises(RematUsageError, match="memory_budget"):
         tt.remat_activation_checkpoint(S.MemoryBudgetAC.Config())
@@ -321,8 +322,8 @@ def test_patch_apply_ac_replaces_a_parallelize_modules_apply_ac(reference):
         op_sac_save_list=set(),
         base_folder="",
     )
-    assert calls == [] and list(remat_plan(model)) == ALL
-    assert remat_plan(model)["layers.0"].collectives == "save"
+    assert calls == [] and list(checkpointed_blocks(model)) == ALL
+    assert checkpointed_blocks(model)["layers.0"].collectives == "save"
     _assert_same(S.train_step(model, steps=2), reference)
     with pytest.raises(RematUsageError, match="has no apply_ac"):
         tt.patch_apply_ac(types.SimpleNamespace())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat_dist import remat_plan
+from remat_dist.wrap import checkpointed_blocks
 from tests.integrations import _standin as S
 
 ac = pytest.importorskip("torchtitan.distributed.activation_checkpoint")
@@ -43,7 +43,7 @@ def test_apply_ac_with_torchtitans_config_matches_no_ac():
     want = S.train_step(S.build(), steps=2)
     model = S.build()
     tt.apply_ac(model, _configs()[0])
-    assert len(remat_plan(model)) == 4
+    assert len(checkpointed_blocks(model)) == 4
     got = S.train_step(model, steps=2)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -60,7 +60,7 @@ def test_override_registers_and_builds():
     assert isinstance(replaced, ac.ActivationCheckpointing.Config)
     model = S.build()
     replaced.build(dump_folder="").apply(model)
-    plan = remat_plan(model)
+    plan = checkpointed_blocks(model)
     assert len(plan) == 4 and plan["layers.0"].collectives == "save"
 
 
@@ -93,7 +93,7 @@ def test_override_imports_entry_replaces_the_config_node():
     )
     model = S.build()
     replaced.build(dump_folder="").apply(model)
-    assert remat_plan(model)["layers.0"].regions == {"attention": "save"}
+    assert checkpointed_blocks(model)["layers.0"].regions == {"attention": "save"}
     # With AC off (None) there is no node to replace: the override claims nothing.
     off = Root.Config(activation_checkpoint=None)
     assert apply_overrides(OverrideConfig(imports=[target]), off) == []

@@ -76,7 +76,7 @@ def test_fsdp2_unequal_batches_bitwise_for_every_policy(ctx: DistContext, family
                 assert _token_counts(out) == _token_counts(ref_out), (name, s)
                 assert torch.equal(out.aux_loss, ref_out.aux_loss), (name, s)
     assert runs["full"][1][0] < runs["attention kept"][1][0] < ref[1][0]
-    plan = remat.current_plan(budget_model)
+    plan = remat.budget.current_plan(budget_model)
     assert plan is not None and runs["budget"][1][0] <= budget.bytes
     decisions = ctx.all_gather_object(plan.decisions())
     assert decisions[0] == decisions[1]

@@ -38,7 +38,7 @@ PP_CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=4)
 STEPS = 2
 """Optimizer steps per comparison (SGD): the second step runs on updated weights."""
 REPLAY_TIMEOUT_S = 10.0
-"""The bound of every rank (``remat.set_replay_timeout``) unless the test says
+"""The bound of every rank (``remat.distributed.set_replay_timeout``) unless the test says
 otherwise: half the default, so that a failure costs the suite less."""
 
 
@@ -68,7 +68,7 @@ def _mismatches(
 
 
 def _stats() -> dict[str, int]:
-    return dict(vars(remat.step_stats()))
+    return dict(vars(remat.distributed.step_stats()))
 
 
 def _stats_delta(before: dict[str, int]) -> dict[str, int]:
@@ -156,7 +156,7 @@ def scenario_tp(opts: dict[str, Any], out: dict[str, Any]) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     before = _stats()
-    _train(out, lambda p: _gpt(mesh, p, tp_plan=remat.reference_tp_plan()), _gpt_step)
+    _train(out, lambda p: _gpt(mesh, p, tp_plan=remat.shard.reference_tp_plan()), _gpt_step)
     out["stats"] = _stats_delta(before)
 
 
@@ -178,7 +178,7 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    plan = remat.reference_tp_plan()
+    plan = remat.shard.reference_tp_plan()
     kind = opts["kind"]
     policy = {"attention": "save"} if (kind == "plan" and rank == 1) else "full"
     model = _gpt(mesh, policy, tp_plan=plan)
@@ -215,9 +215,9 @@ def scenario_tp_divergence(opts: dict[str, Any], out: dict[str, Any]) -> None:
             "type": type(exc).__name__,
             "documented": isinstance(
                 exc,
-                remat.PlanMismatchError
-                | remat.CollectiveReplayError
-                | remat.AgreementSetupError,
+                remat.errors.PlanMismatchError
+                | remat.errors.CollectiveReplayError
+                | remat.errors.AgreementSetupError,
             ),
             "text": str(exc),
             "seconds": time.perf_counter() - t0,
@@ -464,7 +464,7 @@ def main() -> int:
             "gloo", timeout=timedelta(seconds=float(opts.get("pg_timeout", 45)))
         )
         report["init_seconds"] = time.perf_counter() - t0
-        remat.set_replay_timeout(float(opts.get("replay_timeout", REPLAY_TIMEOUT_S)))
+        remat.distributed.set_replay_timeout(float(opts.get("replay_timeout", REPLAY_TIMEOUT_S)))
         # filled as the scenario goes: a part that failed leaves the parts before
         report["result"] = {}
         SCENARIOS[scenario](opts, report["result"])

@@ -262,3 +262,33 @@ def test_region_inputs_are_shown_per_region():
     assert report.to_dict()["regions"][0]["input_bytes"] == [1024, 2048]
     assert "+ inputs 1.0 KiB-2.0 KiB" in report.format()
     assert CrossRankReport.from_dict(report.to_dict()) == report
+
+
+def test_heaviest_is_marked_only_where_ranks_differ():
+    from remat_dist.report import aggregate_summaries
+
+    def summary(total):
+        return {
+            "total_bytes": total, "regions_bytes": 0, "outside_regions_bytes": total,
+            "checkpoint_input_bytes": 0, "parameter_bytes": 0, "user_hook_bytes": 0,
+            "kept_collective_bytes": 0, "regions": [], "outside": [],
+        }
+
+    equal = aggregate_summaries([summary(1024), summary(1024)]).format()
+    assert "heaviest" not in equal, equal
+    unequal = aggregate_summaries([summary(1024), summary(2048)]).format()
+    assert "<- heaviest" in unequal, unequal
+
+
+def test_budget_left_unused_with_every_block_recomputed_says_why():
+    from remat_dist.report import BudgetReport, RankBudget, StagePlan
+
+    def rank(decisions, bound):
+        stage = StagePlan("the model", ("layers.0", "layers.1"), 1, decisions, bound)
+        return RankBudget(0, 3 * 1024, None, bound, (stage,))
+
+    full = (("layers.0", "full"), ("layers.1", "full"))
+    text = BudgetReport((rank(full, 2 * 1024),), None).format()
+    assert "every block recomputed in full with 1.0 KiB of the budget unused" in text, text
+    mixed = (("layers.0", "full"), ("layers.1", "save attention"))
+    assert "unused" not in BudgetReport((rank(mixed, 2 * 1024),), None).format()

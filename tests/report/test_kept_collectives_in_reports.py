@@ -81,3 +81,16 @@ def test_every_report_counts_kept_collective_outputs(ctx: DistContext):
     # the kept outputs are the only difference between the two modes
     assert results["save"][0] - results["replay"][0] == kept_expected
     assert results["save"][1] - results["replay"][1] == kept_expected
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_dtensor_rows_show_this_ranks_shape_and_the_global_one(ctx: DistContext):
+    import remat_dist as remat
+
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(BATCH, 8, requires_grad=True)
+    keep = remat.region(mlp, "mlp", recompute=False)
+    y = remat.checkpoint(region_name="block")(lambda t: keep(t).relu())(x)
+    text = remat.format_saved_tensors_report(y.square().sum())
+    # the column-wise weight (16, 8) is (8, 8) on each of the 2 ranks
+    assert "(8, 8) [global (16, 8)]" in text or "(8, 8) [global (8, 16)]" in text, text

@@ -42,9 +42,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from remat_dist import apply_remat, reference_tp_plan, shard_model
+from remat_dist import apply_remat, shard_model
 from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
+from remat_dist.shard import reference_tp_plan
 from remat_dist.testing import dist_context, run_distributed
 from remat_dist.testing.equivalence import (
     TrainResult,

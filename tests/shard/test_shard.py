@@ -8,14 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from remat_dist import (
-    RematUsageError,
-    TensorParallelPlan,
-    apply_remat,
-    reference_tp_plan,
-    remat_plan,
-    shard_model,
-)
+from remat_dist import RematUsageError, apply_remat, shard_model
 from remat_dist.models import (
     GPT,
     MLP,
@@ -24,8 +17,10 @@ from remat_dist.models import (
     block_tp_plan,
     make_batch,
 )
+from remat_dist.shard import TensorParallelPlan, reference_tp_plan
 from remat_dist.testing import dist_context, run_distributed
 from remat_dist.testing.equivalence import assert_remat_equivalent
+from remat_dist.wrap import checkpointed_blocks
 from tests.shard.test_matrix import CFG, TP_TOL, assert_same, full_result, train
 from tests.wrap._rng import cpu_hooks
 
@@ -134,7 +129,7 @@ def fsdp_body() -> None:
     _raises(
         "contains the FSDP unit 'layers.0.attention'", apply_remat, model, blocks=Block
     )
-    assert remat_plan(model) == {}
+    assert checkpointed_blocks(model) == {}
     # Sharding twice; a 1-D 'dp' mesh with a TP plan; remat twice after sharding.
     model = shard_model(GPT(CFG), mesh, blocks=Block)
     _raises("already an FSDP module", shard_model, model, mesh, blocks=Block)

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import remat_dist as remat
-from remat_dist import RematUsageError, apply_remat, remat_plan, remove_remat
+from remat_dist import RematUsageError, apply_remat, remove_remat
 from remat_dist.models import GPT, MLP, Attention, Block, GPTConfig, make_batch
 from remat_dist.testing.equivalence import assert_remat_equivalent
+from remat_dist.wrap import checkpointed_blocks
 from tests.wrap._rng import cpu_hooks
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=2, dropout=0.1)
@@ -96,7 +97,7 @@ def test_structure_and_names_unchanged():
         n for n, _ in plain.named_parameters()
     ]
     model.load_state_dict(plain.state_dict())  # keys load as they are
-    plan = remat_plan(model)
+    plan = checkpointed_blocks(model)
     assert list(plan) == ["layers.0", "layers.1"]
     assert plan["layers.0"].regions == {"attention": "save"}
 
@@ -108,20 +109,20 @@ def test_apply_twice_names_the_block():
         RematUsageError, match=r"block 'layers.1' is already checkpointed"
     ):
         apply_remat(model, blocks=Block)
-    assert list(remat_plan(model)) == ["layers.1"]  # the failed call changed nothing
+    assert list(checkpointed_blocks(model)) == ["layers.1"]  # the failed call changed nothing
 
 
 def test_remove_remat_restores_and_allows_reapply():
     model = GPT(CFG)
     apply_remat(model, blocks=Block, policy={"attention": "save"})
     remove_remat(model)
-    assert remat_plan(model) == {}
+    assert checkpointed_blocks(model) == {}
     assert all(
         "forward" not in m.__dict__ and "_call_impl" not in m.__dict__
         for m in model.modules()
     )
     apply_remat(model, blocks=Block, policy="full")
-    assert list(remat_plan(model)) == ["layers.0", "layers.1"]
+    assert list(checkpointed_blocks(model)) == ["layers.0", "layers.1"]
 
 
 def test_selectors():
@@ -129,10 +130,10 @@ def test_selectors():
     apply_remat(
         model, blocks=lambda name, m: isinstance(m, Block) and name.endswith(("1", "3"))
     )
-    assert list(remat_plan(model)) == ["layers.1", "layers.3"]
+    assert list(checkpointed_blocks(model)) == ["layers.1", "layers.3"]
     remove_remat(model)
     apply_remat(model, blocks=Block, policy={"every": 3, "mlp": "save"})
-    assert {n: p.regions for n, p in remat_plan(model).items()} == {
+    assert {n: p.regions for n, p in checkpointed_blocks(model).items()} == {
         "layers.0": {"mlp": "save"},
         "layers.3": {"mlp": "save"},
     }
@@ -142,7 +143,7 @@ def test_selectors():
         blocks=Block,
         policy=lambda name, m: "none" if name == "layers.0" else {"attention": "save"},
     )
-    assert list(remat_plan(model)) == ["layers.1", "layers.2", "layers.3"]
+    assert list(checkpointed_blocks(model)) == ["layers.1", "layers.2", "layers.3"]
 
 
 def test_misuse_is_refused():
@@ -165,7 +166,7 @@ def test_misuse_is_refused():
         apply_remat(model, blocks=nn.Conv2d)
     with pytest.raises(RematUsageError, match="collectives"):
         apply_remat(model, blocks=Block, collectives="sometimes")
-    assert remat_plan(model) == {}
+    assert checkpointed_blocks(model) == {}
 
 
 def test_deepcopy_rebinds_to_the_copy():
@@ -194,3 +195,11 @@ def test_the_never_released_aliases_are_gone():
         remat.checkpoint(region_name="old", verify_plan=True)
 
 
+
+
+def test_remat_plan_is_checkpointed_blocks_under_its_old_name():
+    import remat_dist.wrap
+
+    with pytest.warns(DeprecationWarning, match="remat_dist.wrap.checkpointed_blocks"):
+        old = remat_dist.wrap.remat_plan
+    assert old is checkpointed_blocks

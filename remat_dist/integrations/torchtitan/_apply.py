@@ -23,7 +23,7 @@ from remat_dist.integrations.torchtitan._config import (
     read_ac_config,
 )
 from remat_dist.integrations.torchtitan._guards import guard_counters
-from remat_dist.wrap import apply_remat, remat_plan, remove_remat
+from remat_dist.wrap import apply_remat, checkpointed_blocks, remove_remat
 
 __all__ = ["apply_ac", "patch_apply_ac", "remove_ac", "selected_blocks"]
 
@@ -173,7 +173,7 @@ def apply_ac(
         determinism_check=settings.determinism_check,
     )
     guarded = 0
-    for name in remat_plan(model):
+    for name in checkpointed_blocks(model):
         if name not in names:
             continue
         block = model.get_submodule(name)

@@ -32,7 +32,7 @@ def main() -> None:
             None, "Schedule1F1B", remat_policy=policy, pp_group=pp.get_group(),
             pp_rank=pp.get_local_rank(), pp_size=2, tp_mesh=tp, steps=1,
         )
-    except remat.PlanMismatchError as e:
+    except remat.errors.PlanMismatchError as e:
         print(f"[rank {rank}] raised after {time.monotonic() - t0:.2f} s: {e}", file=sys.stderr, flush=True)
         raise
     print(f"[rank {rank}] finished without error", file=sys.stderr, flush=True)
