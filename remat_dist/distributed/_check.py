@@ -25,16 +25,32 @@ def check_plan_consistency(group: Any = None) -> None:
     """Compare, now, the full remat plan of the ranks of ``group`` (default: the
     world): every checkpoint run since this rank's previous completed call, its
     regions' decisions and collective modes, and the collectives it recorded per
-    process group — also where no collective is at stake, which the automatic
+    process group — also where no replay group forms, which the automatic
     agreements leave alone. A collective call: every rank of ``group`` calls it
     at the same point; one that does not come within the replay timeout makes the
     others raise (and a call that did not complete leaves the plan to compare as
     it was, so the next call on every rank compares the same checkpoints).
 
-    Raises :class:`PlanMismatchError` on every rank of ``group`` unless all ran the
-    same plan, naming the first difference and the ranks. A debugging aid: the
-    agreements that make replay safe run anyway, among the ranks at stake, before
-    backward's first collective. A no-op without a process group.
+    A debugging aid: the agreements that make replay safe run anyway, among a
+    replay group's ranks, before backward's first collective. A no-op without a
+    process group.
+
+    Args:
+        group: the process group whose ranks compare (default: the world).
+
+    Returns:
+        None, once every rank of ``group`` ran the same plan.
+
+    Raises:
+        PlanMismatchError: on every rank of ``group`` where the plans differ,
+            naming the first difference and the ranks; also where a rank did not
+            call it within the replay timeout.
+
+    Example::
+
+        loss = model(batch).loss
+        remat_dist.distributed.check_plan_consistency(tp_group)
+        loss.backward()
     """
     from remat_dist.core import current_frame
 

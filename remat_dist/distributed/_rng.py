@@ -107,8 +107,14 @@ class GeneratorStateHook:
     """Keep one ``torch.Generator`` aligned across replay.
 
     Use it for any generator that random ops inside a checkpoint take through
-    ``generator=``: a Megatron-style named stream is one hook per generator, e.g.
-    for a tensor-parallel stream seeded per rank next to the default one::
+    ``generator=``: a Megatron-style named stream is one hook per generator.
+
+    Args:
+        generator: the ``torch.Generator`` the random ops draw from.
+
+    Example::
+
+        # a tensor-parallel stream seeded per rank, next to the default one
 
         tp_gen = torch.Generator(device).manual_seed(base_seed + 2718 + tp_rank)
         hooks = (*remat_dist.distributed.default_state_hooks(),
@@ -176,6 +182,11 @@ class CPURNGStateHook(GeneratorStateHook):
     each snapshot copies the whole MT19937 state, a 5056-byte ``uint8`` tensor (at
     entry and after every save region of every checkpoint). On a CPU-only run
     :class:`DeviceRNGStateHook` already is this generator.
+
+    Example::
+
+        hooks = (*remat_dist.distributed.default_state_hooks(), CPURNGStateHook())
+        remat_dist.checkpoint(region_name="layers.0", recompute_state_hooks=hooks)(blk)
     """
 
     def __init__(self) -> None:
@@ -215,6 +226,14 @@ class DeviceRNGStateHook(GeneratorStateHook):
     Resolving an accelerator device initialises its runtime, as
     ``torch.cuda.get_rng_state`` would; a run that keeps everything on CPU on a
     machine with an accelerator should pass ``device="cpu"``.
+
+    Args:
+        device: the rank's device (default: :func:`rank_device`'s choice).
+
+    Example::
+
+        hook = DeviceRNGStateHook()  # cuda:LOCAL_RANK under torchrun, else CPU
+        remat_dist.checkpoint(region_name="layers.0", recompute_state_hooks=(hook,))(blk)
     """
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
@@ -315,6 +334,11 @@ class DTensorRNGStateHook:
     generators there, which replay cannot repeat. Seed every rank alike with
     ``torch.manual_seed`` (then the sync changes nothing), or run one DTensor random
     op before the first checkpoint.
+
+    Example::
+
+        hooks = (DeviceRNGStateHook(), DTensorRNGStateHook())
+        remat_dist.checkpoint(region_name="layers.0", recompute_state_hooks=hooks)(blk)
     """
 
     def __init__(

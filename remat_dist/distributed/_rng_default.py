@@ -42,6 +42,20 @@ def default_state_hooks(
     DTensor keeps nothing else, so the set is that one hook (5056 bytes a
     snapshot), ``cpu=True`` or not. Generators the model passes explicitly
     (``generator=``) need their own :class:`GeneratorStateHook`.
+
+    Args:
+        device: the rank's device (default: the one :func:`rank_device` picks:
+            the current accelerator, ``LOCAL_RANK``'s, else the CPU).
+        cpu: also keep the CPU generator on an accelerator run.
+
+    Returns:
+        The hooks, to pass as ``recompute_state_hooks=`` (``apply_remat`` and a
+        checkpoint use this set by default under a process group).
+
+    Example::
+
+        hooks = remat_dist.distributed.default_state_hooks(cpu=True)
+        remat_dist.checkpoint(region_name="layers.0", recompute_state_hooks=hooks)(blk)
     """
     dev_hook = DeviceRNGStateHook(device)
     hooks: list[RecomputeStateHook] = [dev_hook]

@@ -373,8 +373,8 @@ class StakeGroup:
         if reason == "closed":
             return RoundFailure(
                 "closed",
-                f"a partner's connection closed in {_round_text(seq)} with no abort "
-                "posted: it exited or died",
+                f"a partner's connection closed in {_round_text(seq)} without "
+                "giving up first: it exited or died",
                 missing=missing,
             )
         return RoundFailure("timeout", f"{what} within the bound", missing=missing)

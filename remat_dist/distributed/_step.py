@@ -98,9 +98,12 @@ def set_replay_timeout(seconds: float | None) -> None:
     Args:
         seconds: the bound; ``None`` restores the default (300 s).
 
+    Returns:
+        None.
+
     Example::
 
-        remat_dist.set_replay_timeout(60.0)  # on every rank, before training
+        remat_dist.distributed.set_replay_timeout(60.0)  # every rank, before training
     """
     _PROCESS.timeout = REPLAY_TIMEOUT_S if seconds is None else float(seconds)
 
@@ -150,7 +153,13 @@ class _Task:
 
 @dataclass
 class StepStats:
-    """What the agreement cost this process so far (``step_stats()``)."""
+    """What the agreements cost this process so far (:func:`step_stats`).
+
+    Attributes:
+        agreements: plan agreements this rank took part in.
+        reports: end-of-backward reports this rank took part in.
+        operations, store_requests, groups, agreement_wait_s, report_wait_s: below.
+    """
 
     agreements: int = 0
     reports: int = 0
@@ -387,7 +396,7 @@ class StepState:
         names = self.quiet[1]
         shown = ", ".join(f"'{n}'" for n in names[:3]) + (", ..." if len(names) > 3 else "")
         log.info(
-            "%d checkpoint(s) replayed in this backward with nothing at stake (%s): "
+            "%d checkpoint(s) replayed in this backward in no replay group (%s): "
             "their forwards issued no collective of their own, so they need no "
             "agreement, gloo operation or store request",
             len(names),
@@ -402,7 +411,7 @@ class StepState:
         state.noted = False
         if state.agreements == 0:
             log.info(
-                "ranks %s are at stake (replays re-issue collectives on them): each "
+                "ranks %s form a replay group (replays re-issue collectives on them): each "
                 "backward pass that replays on them runs one plan agreement and one "
                 "end-of-backward report on a gloo group of these ranks (one per "
                 "micro-batch under pipeline schedules, one per backward half under "
@@ -605,8 +614,20 @@ def checkpoint_forward_starts() -> StepState | None:
 
 
 def step_stats() -> StepStats:
-    """What the agreements and reports cost this process so far: rounds, gloo
-    operations issued, store requests (group set-up and slow rounds only)."""
+    """What the agreements and reports cost this process so far.
+
+    Returns:
+        A :class:`StepStats` snapshot: rounds, gloo operations issued, store
+        requests (group set-up and failed rounds only), gloo groups made, and the
+        seconds backward waited in the rounds.
+
+    Example::
+
+        before = remat_dist.distributed.step_stats()
+        loss.backward()
+        after = remat_dist.distributed.step_stats()
+        print(after.agreements - before.agreements, after.store_requests)
+    """
     state = _PROCESS.state
     if state is None:
         return StepStats()
@@ -619,11 +640,29 @@ def step_stats() -> StepStats:
 
 
 def mark_step() -> None:
-    """Take part in the agreements of this step's forward even if this rank
-    checkpoints nothing in it: the process groups of the collectives it issues
-    from now on (outside FSDP2's own and point-to-point) are at stake.
-    ``apply_remat`` calls it from the model's forward; call it once per forward
-    where ranks may checkpoint nothing and you use ``checkpoint`` directly. A
-    no-op without a process group."""
+    """Take part in the agreements of this forward even if this rank checkpoints
+    nothing in it.
+
+    The process groups of the collectives this rank issues from now on in this
+    forward (outside FSDP2's own and point-to-point) form replay groups for it, so
+    a rank-dependent policy raises on the ranks concerned instead of leaving a
+    peer waiting. ``apply_remat`` calls it from the model's forward; call it once
+    per forward where ranks may checkpoint nothing and you use ``checkpoint``
+    directly. A no-op without a process group.
+
+    Returns:
+        None.
+
+    Example::
+
+        def forward(self, x):
+            remat_dist.distributed.mark_step()
+            for i, block in enumerate(self.blocks):
+                if i in self.checkpointed:
+                    x = remat_dist.checkpoint(region_name=f"blocks.{i}")(block)(x)
+                else:
+                    x = block(x)
+            return x
+    """
     if dist_ready() and torch.is_grad_enabled():
         current_step().arm()

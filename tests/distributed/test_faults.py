@@ -766,8 +766,8 @@ def test_info_log_says_what_was_set_up_and_what_happened(ctx: DistContext, layou
         logger.setLevel(level)
     setup = [t for t in lines if "apply_remat(GPT): 3 of 3 selected blocks (Block)" in t]
     assert len(setup) == 1 and "collectives=replay" in setup[0], lines
-    quiet = [t for t in lines if "replayed in this backward with nothing at stake" in t]
-    at_stake = [t for t in lines if "ranks [0, 1] are at stake" in t]
+    quiet = [t for t in lines if "replayed in this backward in no replay group" in t]
+    at_stake = [t for t in lines if "ranks [0, 1] form a replay group" in t]
     agreed = [t for t in lines if "checkpoint(s) agreed in" in t]
     if layout == "fsdp2":
         assert len(quiet) == 1 and not at_stake and not agreed, lines

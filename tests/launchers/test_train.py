@@ -37,7 +37,7 @@ def test_two_ranks_train_loss_falls_and_report_json(tmp_path):
     # REMAT_DIST_LOG=info (the README's command): what each rank set up, once
     for rank in (0, 1):
         assert proc.stderr.count(f"[rank {rank}] apply_remat(GPT): 2 of 2 selected blocks") == 1, tail
-        said = f"[rank {rank}] 2 checkpoint(s) replayed in this backward with nothing at stake"
+        said = f"[rank {rank}] 2 checkpoint(s) replayed in this backward in no replay group"
         assert proc.stderr.count(said) == 1, tail
     steps = [line for line in proc.stdout.splitlines() if " loss " in line]
     assert len(steps) == 8 and all(line.startswith("[rank 0]") for line in steps), tail
