@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from model import Block, Transformer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import remat_dist as remat
+from model import Block, Transformer
 from remat_dist.budget import current_plan
 
 

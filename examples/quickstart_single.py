@@ -7,9 +7,9 @@ the rest (the MLP). Dropout replays the same mask: remat_dist keeps the generato
 """
 
 import torch
-from model import Block, Transformer
 
 import remat_dist as remat
+from model import Block, Transformer
 
 
 def main():

@@ -12,10 +12,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from model import TP_PLAN, Block, Transformer
 from torch.distributed.device_mesh import init_device_mesh
 
 import remat_dist as remat
+from model import TP_PLAN, Block, Transformer
 
 
 def main():
