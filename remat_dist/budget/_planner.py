@@ -80,9 +80,10 @@ from torch import nn
 from remat_dist._errors import PlanMismatchError, RematUsageError
 from remat_dist._logging import get_logger
 from remat_dist._torch._autograd import current_graph_task_id
+from remat_dist.budget._after import close_window, open_window
 from remat_dist.budget._backward import at_end_of_backward, input_shapes, tensors_in
 from remat_dist.budget._config import BlockPlan, BudgetPlan
-from remat_dist.budget._joint import ModelTable, solve_jointly
+from remat_dist.budget._joint import ModelTable, moments, peak_of, solve_jointly
 from remat_dist.budget._meter import StepMeter
 from remat_dist.budget._profile import (
     Candidate,
@@ -92,8 +93,8 @@ from remat_dist.budget._profile import (
     param_keys,
     profile_block,
 )
-from remat_dist.distributed import all_gather_objects, dist_ready
-from remat_dist.distributed._intercept import _bypass
+from remat_dist.core import plain
+from remat_dist.distributed import all_gather_objects, dist_ready, own_collectives
 from remat_dist.wrap import BlockInstaller, planner_of
 
 if TYPE_CHECKING:
@@ -153,6 +154,7 @@ class _Planner:
     table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # per block, in the profiling forward
     outside: int = 0  # bytes the profiling forward saved outside the blocks
+    after: int = 0  # most bytes saved after one forward of the step (the loss)
     profiling_now: bool = False  # the forward running now runs the side passes
     profiled: bool = False  # the side passes' table is complete
     plan: BudgetPlan | None = None
@@ -178,6 +180,7 @@ class _Planner:
 
     def detach(self) -> None:
         self.phase = BudgetPhase.REMOVED  # leaves its _Shared's members
+        close_window()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -253,6 +256,19 @@ class _Shared:
     """The planners, weakly (a model dropped leaves), in ``apply_remat`` order."""
     meter: StepMeter | None = None
     order: int = field(default_factory=lambda: next(_ORDER))
+    concurrent: list[tuple[int, ...]] = field(default_factory=list)
+    """At each profiling forward's end, the forwards alive per member (the
+    members in ``apply_remat`` order at that moment): the moments the rank's
+    peak can fall on."""
+
+    def note_concurrent(self) -> None:
+        """Record the forwards alive now, per member (0 for one not profiling)."""
+        v = tuple(
+            sum(not f.done for f in m.step) if m.phase is BudgetPhase.PROFILING else 0
+            for m in self.members
+        )
+        if v not in self.concurrent:
+            self.concurrent.append(v)
 
     @property
     def members(self) -> list[_Planner]:
@@ -305,6 +321,7 @@ def current_plan(model: nn.Module) -> BudgetPlan | None:
 
 
 def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
+    close_window()  # what the previous forward's loss saved is counted
     if not torch.is_grad_enabled():
         return
     if state.phase is BudgetPhase.FAILED:
@@ -326,7 +343,13 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
             )
             state.go(BudgetPhase.PROFILE)
     if state.phase is BudgetPhase.PROFILE:
+        shared = state.shared
+        if shared is not None and not any(
+            m.phase in (BudgetPhase.PROFILING, BudgetPhase.WAIT_OTHERS) for m in shared.members
+        ):
+            shared.concurrent = []  # the first of the members to profile (again)
         state.go(BudgetPhase.PROFILING)
+        state.after = 0
         state.shapes = input_shapes(args)
         state.table = [{} for _ in state.installer.blocks]
         state.calls = [0 for _ in state.installer.blocks]
@@ -353,6 +376,53 @@ _RUNS_THE_PLAN = (BudgetPhase.VERIFY, BudgetPhase.PLANNED)
 
 
 def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> None:
+    metered = bool(state.metering)
+    try:
+        _post(state, args, output)
+    finally:
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tensors_in(output)
+        ):
+            _open_after(state, metered)
+
+
+def _open_after(state: _Planner, metered: bool) -> None:
+    """Count what this thread saves from now until the next forward of a model
+    under a budget (the loss, ``remat_dist.budget._after``): into the
+    profiling step's tally, and into the rank's step meter when it runs."""
+    sinks: list[Any] = []
+    if state.phase is BudgetPhase.PROFILING:
+        sinks.append(_AfterTally(state))
+    meter = state.shared.meter if state.shared is not None else None
+    if metered and meter is not None:
+        sinks.append(meter.after_sink())
+    open_window(sinks)
+
+
+class _AfterTally:
+    """The bytes one window saves (unique storages, parameters apart); the
+    planner keeps the most of any forward of its profiling step."""
+
+    def __init__(self, state: _Planner) -> None:
+        self.state = state
+        self.seen: set[Any] = set()
+        self.total = 0
+
+    def saved(self, t: torch.Tensor) -> None:
+        local = plain(t)
+        key = (local.device, local.untyped_storage()._cdata)
+        if key in self.state.params or isinstance(local, nn.Parameter) or key in self.seen:
+            return None
+        self.seen.add(key)
+        self.total += local.untyped_storage().nbytes()
+        self.state.after = max(self.state.after, self.total)
+        return None
+
+    def release(self, key: Any) -> None:  # pragma: no cover - saved returns None
+        pass
+
+
+def _post(state: _Planner, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
     if counter is not None:
         counter.__exit__(None, None, None)
@@ -408,6 +478,8 @@ def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> Non
         # something else (a loss kept on the model); the next forward plans
         fwd.done = True
     state.in_flight = max(state.in_flight, sum(not f.done for f in state.step) or 1)
+    if state.shared is not None:
+        state.shared.note_concurrent()
 
 
 def _done(fwd: _Forward) -> None:
@@ -614,6 +686,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     mine = {
         "rank": me,
         "outside": outside,
+        "after": state.after,
         "in_flight": max(1, state.in_flight),
         "labels": labels,
         "table": [[list(row[label]) for label in ls] for row, ls in zip(state.table, labels)],
@@ -621,7 +694,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     groups = _agreeing_groups(state) if dist_ready() else []
     records = {me: mine}
     for group in groups:
-        with _bypass():  # the planner's own exchange, not a collective of the model
+        with own_collectives():  # the planner's own exchange, not a collective of the model
             got = all_gather_objects([records[r] for r in sorted(records)], group=group)
         for theirs in got:
             for rec in theirs:
@@ -645,7 +718,9 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     who = ""
     if len(ranks) > 1:
         per_rank = [
-            r["in_flight"] * (r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"]))
+            r["in_flight"] * (
+                r["outside"] + r["after"] + sum(min(int(w) for w, _ in blk) for blk in r["table"])
+            )
             for r in ranks
         ]
         worst = max(range(len(ranks)), key=lambda i: per_rank[i])
@@ -657,6 +732,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
         outside=max(r["outside"] for r in ranks),
         in_flight=max(r["in_flight"] for r in ranks),
         needs_most=who,
+        after=max(r["after"] for r in ranks),
     )
     return table, ranks
 
@@ -669,8 +745,9 @@ def _plan_shared(states: list[_Planner]) -> None:
     budget = states[0].budget.bytes
     made = [_table(state, state.outside) for state in states]
     tables = [t for t, _ in made]
-    choices = solve_jointly(tables, budget)
-    joint = 0
+    shared = states[0].shared
+    concurrent = _concurrent(shared, tables)
+    choices = solve_jointly(tables, budget, concurrent)
     plans = []
     for state, (table, ranks), choice in zip(states, made, choices):
         costs, k = table.costs, table.in_flight
@@ -683,8 +760,7 @@ def _plan_shared(states: list[_Planner]) -> None:
                 name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
                 candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
             ))
-        predicted = table.outside + sum(b.bytes for b in blocks)
-        joint += k * predicted
+        predicted = table.fixed + sum(b.bytes for b in blocks)
         plans.append(BudgetPlan(
             budget=budget,
             blocks=blocks,
@@ -695,13 +771,18 @@ def _plan_shared(states: list[_Planner]) -> None:
             in_flight=k,
             predicted_peak_bytes=k * predicted,
             ranks=tuple(r["rank"] for r in ranks),
+            loss_bytes=table.after,
         ))
+    per_forward = [p.predicted_bytes for p in plans]
+    joint = peak_of(per_forward, concurrent)
     for state, plan in zip(states, plans):
         plan.shared_by = len(states)
         plan.rank_peak_bytes = joint
+        plan.sum_bound_bytes = sum(p.predicted_peak_bytes for p in plans)
+        plan.concurrent = tuple(concurrent)
         digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
         for group in _agreeing_groups(state) if dist_ready() else []:
-            with _bypass():
+            with own_collectives():
                 digests = all_gather_objects(digest, group=group)
             if len(set(digests)) > 1:
                 raise PlanMismatchError(
@@ -717,6 +798,12 @@ def _plan_shared(states: list[_Planner]) -> None:
         )
         log.info("MemoryBudget plan for %s%s, applied from now on:\n%s",
                  stage_name(state), shared, plan.format())
+
+
+def _concurrent(shared: _Shared | None, tables: list[ModelTable]) -> list[tuple[int, ...]]:
+    """The moments the rank's peak can fall on (``_joint.moments``) from the
+    forwards alive per model at each profiling forward's end."""
+    return moments(tables, shared.concurrent if shared is not None else None)
 
 
 def _global_rank() -> int:
