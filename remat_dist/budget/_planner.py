@@ -79,7 +79,7 @@ from torch import nn
 
 from remat_dist._errors import PlanMismatchError, RematUsageError
 from remat_dist._logging import get_logger
-from remat_dist._torch._autograd import current_graph_task_id
+from remat_dist._torch._autograd import current_graph_task_id, graph_task_keeps_graph
 from remat_dist.budget._after import close_window, open_window
 from remat_dist.budget._backward import at_end_of_backward, input_shapes, tensors_in
 from remat_dist.budget._config import BlockPlan, BudgetPlan
@@ -263,6 +263,9 @@ class _Shared:
 
     def note_concurrent(self) -> None:
         """Record the forwards alive now, per member (0 for one not profiling)."""
+        for m in self.members:
+            if m.phase is BudgetPhase.PROFILING:
+                _settle(m)  # a split backward's weight half may have freed some
         v = tuple(
             sum(not f.done for f in m.step) if m.phase is BudgetPhase.PROFILING else 0
             for m in self.members
@@ -522,6 +525,13 @@ def _backward_ended(state: _Planner, fwd: _Forward) -> None:
         return
     task = current_graph_task_id()
     if state.grad_hooks and task not in state.trained_tasks:
+        if graph_task_keeps_graph():
+            # the input half of a split backward (ScheduleZBVZeroBubble,
+            # ScheduleDualPipeV: autograd.grad for the inputs, retain_graph=True);
+            # the graph lives on until its weight half, which frees it (the
+            # forward is done once its checkpoint records are gone, _settle)
+            fwd.done = False
+            return
         state.step = [f for f in state.step if f is not fwd]
         return
     if _step_ended(state):
@@ -580,6 +590,13 @@ def _finish_step(state: _Planner) -> None:
         state.go(BudgetPhase.FAILED)
         state.error = error
         raise error
+    for m in members:
+        if m.phase is BudgetPhase.PROFILING and m is not state:
+            _settle(m)  # a split backward's weight half ended its step unseen
+            if _step_ended(m):
+                _drop_grad_hooks(m)
+                m.step = []
+                m.go(BudgetPhase.WAIT_OTHERS)
     waiting = [m for m in members if m.phase is not BudgetPhase.WAIT_OTHERS]
     if waiting:
         log.info(
