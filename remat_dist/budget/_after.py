@@ -8,17 +8,19 @@ budget sees them through an **after-forward window**: when a model under a
 budget returns from its forward, the window starts counting what this thread
 saves for backward, until the next forward of a model under a budget begins.
 
-How, without leaving a saved-tensor hook that another context would pop: the
-window does not push onto the saved-tensor hooks stack when the stack holds
-hooks; it *replaces* the innermost pair by a wrapper that counts and hands every
-tensor on to it. Whoever pops that entry (the context that pushed the pair it
-replaced) pops the wrapper, and the stack is as it would have been. On an empty
-stack it pushes the wrapper, which no open context can pop. Closing the window
-puts the replaced pair back (or pops the wrapper) when the wrapper is still
-innermost; otherwise the wrapper stays as a plain pass-through, removed once it
-is innermost again at a later close. Saves made inside a backward (a
-checkpoint's replay) are handed on uncounted: the budget bounds what the step's
-forwards and their losses keep.
+How, without leaving a saved-tensor hook that another context would pop: on an
+empty stack the window pushes a counting pair, which no open context can pop.
+When the stack holds a pair ``U`` (a context of the caller's, entered before the
+forward), the window takes ``U`` off, pushes a counting pair that hands every
+tensor on to the pair below ``U`` (or keeps it), and above it a counting pair
+that hands every tensor on to ``U``. While ``U``'s context lives the upper one
+counts (a context around forward and loss); when it exits it pops the upper
+one, and the lower one counts (a context around the forward alone, the loss
+after it). Closing the window restores the stack: ``U`` back in place of both,
+or the lower pair popped once ``U``'s context has gone; a window whose pairs
+are not innermost (the caller pushed more) stops counting and is removed once
+they are. Saves made inside a backward (a checkpoint's replay) are handed on
+uncounted: the budget bounds what the step's forwards and their losses keep.
 
 What the window cannot see: a loss computed on another thread than the model's
 forward, or whose saved-tensor hooks are entered by a forward hook registered
@@ -65,27 +67,26 @@ class _Held:
             self.sink.release(self.key)
 
 
-class _Window:
-    """The wrapper pair standing in for the innermost pair (``replaced``, None
-    when the stack was empty)."""
+class _Pair:
+    """A counting pair on the stack, handing every tensor on to ``outer`` (a
+    ``(pack, unpack)`` pair; None: it keeps the tensor itself)."""
 
-    def __init__(self, sinks: list[Sink], replaced: tuple[Any, Any] | None) -> None:
-        self.sinks = sinks
-        self.replaced = replaced
-        self.open = True
+    def __init__(self, window: _Window, outer: tuple[Any, Any] | None) -> None:
+        self.window, self.outer = window, outer
 
     def pack(self, t: torch.Tensor) -> Any:
-        outer = self.replaced
+        outer = self.outer
         inner = outer[0](t) if outer is not None else (t.detach(), t._version)
-        if not self.open or current_graph_task_id() != -1:
+        sinks = self.window.sinks
+        if not sinks or current_graph_task_id() != -1:
             return _Held(inner, None, None)
-        held = [(sink, sink.saved(t)) for sink in self.sinks]
+        held = [(sink, sink.saved(t)) for sink in sinks]
         if len(held) == 1:
             return _Held(inner, *held[0])
         return _Held(inner, _Many(held), True)
 
     def unpack(self, held: _Held) -> torch.Tensor:
-        outer = self.replaced
+        outer = self.outer
         if outer is not None:
             return outer[1](held.inner)
         t, version = held.inner
@@ -102,10 +103,40 @@ class _Window:
         top = top_saved_tensors_hooks(False)
         return top is not None and top[0] == self.pack
 
-    def remove(self) -> None:
-        pop_saved_tensors_hooks()
-        if self.replaced is not None:
-            push_saved_tensors_hooks(*self.replaced)
+
+class _Window:
+    """The pairs one window put on the stack (see the module doc): ``lower``
+    always, ``upper`` in place of the caller's pair ``user`` when there was one."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+        self.user = top_saved_tensors_hooks(False)
+        if self.user is not None:
+            pop_saved_tensors_hooks()
+        self.lower = _Pair(self, top_saved_tensors_hooks(False))
+        push_saved_tensors_hooks(self.lower.pack, self.lower.unpack)
+        self.upper = None
+        if self.user is not None:
+            self.upper = _Pair(self, self.user)
+            push_saved_tensors_hooks(self.upper.pack, self.upper.unpack)
+
+    def try_remove(self) -> bool:
+        """Take the window's pairs off where they are innermost; True when
+        nothing of it is left on the stack."""
+        if self.upper is not None and self.upper.innermost():
+            pop_saved_tensors_hooks()
+            self.upper = None
+            if self.lower.innermost():
+                pop_saved_tensors_hooks()
+                assert self.user is not None
+                push_saved_tensors_hooks(*self.user)
+                return True
+            return False  # pragma: no cover - nothing goes between the two
+        if self.upper is None or not self.upper.innermost():
+            if self.lower.innermost():
+                pop_saved_tensors_hooks()
+                return True
+        return False
 
 
 class _Many:
@@ -136,29 +167,22 @@ def open_window(sinks: list[Sink]) -> None:
     close_window()
     if not sinks or not saved_tensors_hooks_enabled():
         return
-    top = top_saved_tensors_hooks(False)
-    window = _Window(sinks, top)
-    if top is not None:
-        pop_saved_tensors_hooks()
-    push_saved_tensors_hooks(window.pack, window.unpack)
-    _THREAD.window = window
+    _THREAD.window = _Window(sinks)
 
 
 def close_window() -> None:
-    """Stop counting on this thread: put the replaced pair back where the
-    wrapper is still innermost (see the module doc)."""
+    """Stop counting on this thread and restore the stack (see the module
+    doc); a window whose pairs are not innermost is removed at a later call."""
     window, _THREAD.window = _THREAD.window, None
     if window is not None:
-        window.open = False
+        window.sinks = []  # counts nothing more; keeps nothing alive
         _THREAD.stale.append(window)
     stale = _THREAD.stale
-    while stale and stale[-1].innermost():
-        stale.pop().remove()
-    # a wrapper another context popped is gone from the stack: forget it
-    _THREAD.stale = [w for w in stale if _on_stack(w)]
-
-
-def _on_stack(window: _Window) -> bool:
-    """Whether ``window`` may still be on this thread's stack: only the
-    innermost pair can be read, so a wrapper under another pair is kept."""
-    return not window.innermost() and top_saved_tensors_hooks(False) is not None
+    removed = True
+    while removed:
+        removed = False
+        for w in list(stale):
+            if w.try_remove():
+                stale.remove(w)
+                removed = True
+    del stale[:-8]  # pairs buried under the caller's stay pass-throughs

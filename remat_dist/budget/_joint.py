@@ -268,7 +268,7 @@ def _infeasible(
     return (
         f"remat_dist.MemoryBudget: a budget of {budget:,} bytes ({human(budget)}) "
         f"shared by {len(tables)} models on this rank cannot be met: their peaks at "
-        f"full recompute are {each}; together, with {_counts_words(vectors)}, "
-        f"{smallest:,} bytes ({human(smallest)}), the smallest feasible budget for this rank. The gradients of this profiling "
+        f"full recompute are {each}; together {smallest:,} bytes ({human(smallest)}) "
+        f"with {_counts_words(vectors)}, the smallest feasible budget for this rank. The gradients of this profiling "
         "step are right, but do not go on with this budget. " + fix
     )

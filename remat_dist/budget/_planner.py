@@ -407,18 +407,20 @@ class _AfterTally:
     planner keeps the most of any forward of its profiling step."""
 
     def __init__(self, state: _Planner) -> None:
-        self.state = state
+        self.state = weakref.ref(state)  # a window left open must not keep a model
         self.seen: set[Any] = set()
         self.total = 0
 
     def saved(self, t: torch.Tensor) -> None:
+        state = self.state()
         local = plain(t)
         key = (local.device, local.untyped_storage()._cdata)
-        if key in self.state.params or isinstance(local, nn.Parameter) or key in self.seen:
+        if state is None or key in state.params or isinstance(local, nn.Parameter):
             return None
-        self.seen.add(key)
-        self.total += local.untyped_storage().nbytes()
-        self.state.after = max(self.state.after, self.total)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.total += local.untyped_storage().nbytes()
+            state.after = max(state.after, self.total)
         return None
 
     def release(self, key: Any) -> None:  # pragma: no cover - saved returns None

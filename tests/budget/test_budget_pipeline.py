@@ -16,7 +16,6 @@ the schedule kept alive at once on it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 
 import pytest
@@ -26,6 +25,7 @@ import remat_dist as remat
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
+from tests.budget._joint_check import joint_bounds, joint_optimum
 from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
@@ -250,39 +250,6 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
     return out, mods
 
 
-def _fixed(plan) -> int:
-    return plan.outside_bytes + plan.loss_bytes
-
-
-def _joint_bounds(plans) -> tuple[int, int]:
-    """The rank's peak with every block at its fewest bytes and at its most,
-    at the moments the profiling step showed (``plan.concurrent``)."""
-    moments = plans[0].concurrent
-    least = [_fixed(p) + sum(min(w for w, _ in b.candidates.values()) for b in p.blocks)
-             for p in plans]
-    most = [_fixed(p) + sum(b.candidates["none"][0] for b in p.blocks) for p in plans]
-    return (max(sum(n * x for n, x in zip(v, least)) for v in moments),
-            max(sum(n * x for n, x in zip(v, most)) for v in moments))
-
-
-def _joint_optimum(plans, budget: int) -> float:
-    """Brute force over every candidate of every block of the models sharing
-    the budget: the least recompute time whose peak at every moment of
-    ``plan.concurrent`` fits ``budget``."""
-    blocks = [(m, b) for m, p in enumerate(plans) for b in p.blocks]
-    best = None
-    for combo in itertools.product(*(list(b.candidates.values()) for _, b in blocks)):
-        per = [_fixed(p) for p in plans]
-        for (m, _), (w, _) in zip(blocks, combo):
-            per[m] += w
-        peak = max(sum(n * x for n, x in zip(v, per)) for v in plans[0].concurrent)
-        t = sum(t for _, t in combo)
-        if peak <= budget and (best is None or t < best):
-            best = t
-    assert best is not None
-    return best
-
-
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages, one MemoryBudget
@@ -296,7 +263,7 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     ref, _ = _interleaved(ctx, None)
     _, probe = _interleaved(ctx, remat.MemoryBudget(bytes="1GiB"), steps=1)
     plans = [remat.current_plan(m) for m in probe]
-    lo, hi = _joint_bounds(plans)
+    lo, hi = joint_bounds(plans)
     lo, hi = max(ctx.all_gather_object(lo)), max(ctx.all_gather_object(hi))
     assert lo < hi
     for frac in (0.3, 0.7):
@@ -308,7 +275,7 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
         plans = [remat.current_plan(m) for m in mods]
         assert all(p is not None and p.shared_by == 2 for p in plans)
         assert all(p.rank_peak_bytes <= min(budget, p.sum_bound_bytes) for p in plans)
-        assert sum(p.predicted_time_s for p in plans) == _joint_optimum(plans, budget)
+        assert sum(p.predicted_time_s for p in plans) == joint_optimum(plans, budget)
 
 
 def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
@@ -365,7 +332,7 @@ def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name)
     # budget's: the plan is made at the next step's first forward
     _, probe = _v_shaped(ctx, schedule_name, remat.MemoryBudget(bytes="1GiB"), steps=2)
     plans = [remat.current_plan(m) for m in probe]
-    lo, hi = _joint_bounds(plans)
+    lo, hi = joint_bounds(plans)
     lo, hi = max(ctx.all_gather_object(lo)), max(ctx.all_gather_object(hi))
     assert lo < hi
     for frac in (0.3, 0.7):
@@ -377,7 +344,7 @@ def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name)
         plans = [remat.current_plan(m) for m in mods]
         assert all(p is not None and p.shared_by == 2 for p in plans)
         assert all(p.rank_peak_bytes <= budget for p in plans)
-        assert sum(p.predicted_time_s for p in plans) == _joint_optimum(plans, budget)
+        assert sum(p.predicted_time_s for p in plans) == joint_optimum(plans, budget)
 
 
 def _mesh_run(mesh, schedule_name, policy, dim, steps=2):

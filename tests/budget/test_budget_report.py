@@ -14,7 +14,6 @@ models on a rank.
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 import remat_dist as remat
 from remat_dist.report import BudgetReport, aggregate_summaries
 from remat_dist.testing import DistContext, PeakSavedBytes, distributed
+from tests.budget._joint_check import joint_optimum
 from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
@@ -109,7 +109,8 @@ def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
         assert "memory budget, peak per rank since the previous report: max" in text, text
         assert "the model of blocks 'layers.0'..'layers.1', 2 in flight:" in text, text
         assert "the model of blocks 'layers.2'..'layers.3', 1 in flight:" in text, text
-        assert "% of it)" in text.splitlines()[2], text  # rank 1: its loss's share
+        rank1 = next(line for line in text.splitlines() if line.startswith("  rank 1: peak"))
+        assert "% of it)" in rank1 and "(loss " in rank1, text  # the loss's share
         back = remat.CrossRankReport.from_dict(json.loads(json.dumps(report.to_dict())))
         assert back == report
 
@@ -248,15 +249,18 @@ def _step_both(a, b, x):
 
 
 def _peak_bytes(a, b, x) -> int:
-    meter = PeakSavedBytes(a, b)
-    _step_both(a, b, x)
+    """The peak of every byte saved in one step of both (the loss included)."""
+    meter = StepPeak(a, b)
+    with meter:
+        _step_both(a, b, x)
     return meter.peak
 
 
 def test_shared_budget_plans_two_models_jointly():
     """One MemoryBudget object given to two models: both plan at the end of the
-    later profiling step, for one budget: the sum of their predicted peaks fits
-    it, the measured peak of both together does too, and the joint plan is the
+    later profiling step, for one budget: the rank's predicted peak (both
+    models' forwards alive at once, the loss after the second) fits it, the
+    measured peak of every byte saved does too, and the joint plan is the
     brute-force optimum over every candidate of every block of both models."""
     x = torch.randn(8, 16)
     lo = _peak_bytes(*_two_models("full"), x)
@@ -268,20 +272,13 @@ def test_shared_budget_plans_two_models_jointly():
         pa, pb = remat.current_plan(a), remat.current_plan(b)
         assert pa is not None and pb is not None
         assert pa.shared_by == pb.shared_by == 2
+        assert pa.concurrent == pb.concurrent == ((1, 1),)
         assert pa.rank_peak_bytes == pb.rank_peak_bytes == (
             pa.predicted_peak_bytes + pb.predicted_peak_bytes) <= budget
+        assert pb.loss_bytes > 0 and pa.loss_bytes == 0
         assert _peak_bytes(a, b, x) <= budget
-        blocks = [blk for p in (pa, pb) for blk in p.blocks]
-        ks = [p.in_flight for p in (pa, pb) for _ in p.blocks]
-        cap = budget - pa.in_flight * pa.outside_bytes - pb.in_flight * pb.outside_bytes
-        best = None
-        for choice in itertools.product(*(list(blk.candidates) for blk in blocks)):
-            w = sum(k * blk.candidates[c][0] for k, blk, c in zip(ks, blocks, choice))
-            t = sum(blk.candidates[c][1] for blk, c in zip(blocks, choice))
-            if w <= cap and (best is None or t < best):
-                best = t
-        chosen = sum(blk.time_s for blk in blocks)
-        assert chosen == best, (chosen, best)
+        chosen = pa.predicted_time_s + pb.predicted_time_s
+        assert chosen == joint_optimum([pa, pb], budget)
         assert set(pa.decisions().values()) | set(pb.decisions().values()) != {"none"}
 
 
