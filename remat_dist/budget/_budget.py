@@ -5,7 +5,7 @@ number of bytes per rank; a ``remat_dist.wrap.PlannedPolicy`` whose planner is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,13 @@ class MemoryBudget:
     see ``docs/memory_budget.md``)::
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
+
+    Under ``torch.compile``, do not compile the blocks yourself: pass
+    ``compile=`` (``True`` or ``torch.compile``'s options) and the planner
+    compiles each block once its plan is installed (the profiling step runs
+    eagerly; one compile per block, for the plan)::
+
+        MemoryBudget(bytes="2GiB", compile={"fullgraph": True})
 
     One object is one budget for the rank: given to several models on a rank
     (the stage modules of an interleaved pipeline schedule), they plan jointly,
@@ -68,6 +75,13 @@ class MemoryBudget:
     peak since its previous call). Costs one Python pack hook call per saved
     tensor of every forward; off, the budget costs nothing per step."""
 
+    compile: bool | Mapping[str, Any] = False
+    """Compile each block (``block.compile(**options)``) once the plan is
+    installed: ``True`` for torch.compile's defaults, or a mapping of its
+    options (``{"fullgraph": True, "backend": "inductor"}``). Stored as a
+    sorted tuple of ``(option, value)`` pairs, or ``False``. The blocks run
+    eagerly in the profiling step."""
+
     def __post_init__(self) -> None:
         try:
             value = parse_bytes(self.bytes)
@@ -100,6 +114,15 @@ class MemoryBudget:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
+            )
+        if self.compile is True:
+            object.__setattr__(self, "compile", ())
+        elif isinstance(self.compile, Mapping):
+            object.__setattr__(self, "compile", tuple(sorted(self.compile.items())))
+        elif not (self.compile is False or isinstance(self.compile, tuple)):
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(compile={self.compile!r}): must be True, False "
+                "or a mapping of torch.compile options, e.g. {'fullgraph': True}."
             )
         if not isinstance(self.measure_peak, bool):
             raise RematUsageError(

@@ -887,3 +887,9 @@ def _install_plan(state: _Planner) -> None:
     state.installer.install(
         {bp.name: None if bp.regions is None else dict(bp.regions) for bp in plan.blocks}
     )
+    options = state.budget.compile
+    if options is not False:
+        # after the plan: each block compiles once, with its checkpoint and
+        # save regions as planned (the profiling step ran eagerly)
+        for _, module in state.installer.blocks:
+            module.compile(**dict(options))
