@@ -262,12 +262,17 @@ class _Shared:
     peak can fall on."""
 
     def note_concurrent(self) -> None:
-        """Record the forwards alive now, per member (0 for one not profiling)."""
+        """Record the forwards alive now, per member: those followed for one
+        profiling; its own peak count for one whose step has ended (it is no
+        longer followed, and a schedule may run its forwards again in the same
+        step: ScheduleDualPipeV's last stage backpropagates each micro-batch
+        before the next one's forward); 0 for one not profiling yet."""
         for m in self.members:
             if m.phase is BudgetPhase.PROFILING:
                 _settle(m)  # a split backward's weight half may have freed some
         v = tuple(
-            sum(not f.done for f in m.step) if m.phase is BudgetPhase.PROFILING else 0
+            sum(not f.done for f in m.step) if m.phase is BudgetPhase.PROFILING
+            else max(1, m.in_flight) if m.phase is BudgetPhase.WAIT_OTHERS else 0
             for m in self.members
         )
         if v not in self.concurrent:
