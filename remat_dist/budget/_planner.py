@@ -632,27 +632,41 @@ def _finish_step(state: _Planner) -> None:
 
 
 def _check_measured(state: _Planner, total: int, args: Any) -> None:
-    """The first step under the plan, counted: warn when it is over budget."""
-    assert state.plan is not None
-    state.plan.measured_bytes = total
-    if total <= state.budget.bytes:
+    """The first forward under the plan, counted: warn when, with the loss and
+    the forwards in flight, it would not fit the budget, naming the cause."""
+    plan = state.plan
+    assert plan is not None
+    plan.measured_bytes = total
+    forward = plan.predicted_bytes - plan.loss_bytes  # what this forward should save
+    if plan.in_flight * (total + plan.loss_bytes) <= state.budget.bytes:
         return
     shapes = input_shapes(args)
-    cause = (
-        f"the plan was made from the first grad-enabled forward, whose "
-        f"inputs had shapes {state.shapes}, and this one's are {shapes} "
-        "(a sanity or validation forward with grad enabled on another "
-        "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
-        "on the training batch (remove_remat(model), then apply_remat)."
-        if shapes != state.shapes
-        else "the blocks share storages with the rest of the model, which "
-        "per-block measurement misses. Fix: a smaller budget leaves room."
-    )
+    if shapes != state.shapes:
+        cause = (
+            f"the plan was made from the first grad-enabled forward, whose "
+            f"inputs had shapes {state.shapes}, and this one's are {shapes} "
+            "(a sanity or validation forward with grad enabled on another "
+            "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
+            "on the training batch (remove_remat(model), then apply_remat)."
+        )
+    elif state.budget.compile is not False and total > forward:
+        cause = (
+            f"the compiled blocks save {human(total - forward)} more per forward "
+            "than the eager candidates the plan measured (AOTAutograd's "
+            "partitioner chooses what a compiled graph saves). Fix: a budget "
+            f"smaller by {plan.in_flight} x that excess."
+        )
+    else:
+        cause = (
+            "the blocks share storages with the rest of the model, which "
+            "per-block measurement misses. Fix: a smaller budget leaves room."
+        )
     log.warning(
-        "MemoryBudget: this rank saved %s in the first step under the plan, "
-        "over the budget of %s (predicted %s): %s",
-        human(total), human(state.budget.bytes),
-        human(state.plan.predicted_bytes), cause,
+        "MemoryBudget: this rank saved %s in the first forward under the plan "
+        "(predicted %s, %d forward(s) in flight, the loss %s each), over the budget "
+        "of %s: %s",
+        human(total), human(forward), plan.in_flight, human(plan.loss_bytes),
+        human(state.budget.bytes), cause,
     )
 
 

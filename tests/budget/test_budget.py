@@ -168,7 +168,7 @@ def test_three_budgets_single_process(caplog):
                 assert kept[b.name] == b.regions
         # optimal on its own measurements: brute force over all 5**6 plans
         costs = [[b.candidates[label] for label in b.candidates] for b in plan.blocks]
-        cap = budget - plan.outside_bytes
+        cap = budget - plan.outside_bytes - plan.loss_bytes
         best = brute_force(costs, cap)
         chosen = [list(b.candidates).index(b.decision) for b in plan.blocks]
         assert plan_cost(costs, chosen)[1] == plan_cost(costs, best)[1]
@@ -181,7 +181,8 @@ def test_three_budgets_single_process(caplog):
     table = plans[0]
     costs = [[b.candidates[label] for label in b.candidates] for b in table.blocks]
     times = [
-        plan_cost(costs, solve(costs, p.budget - table.outside_bytes))[1] for p in plans
+        plan_cost(costs, solve(costs, p.budget - table.outside_bytes - table.loss_bytes))[1]
+        for p in plans
     ]
     assert times == sorted(times, reverse=True), times
 
