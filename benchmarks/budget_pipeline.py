@@ -7,6 +7,8 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
 * ``peak``: the most bytes saved for backward alive at once over a whole step
   on that rank, the schedule's ``loss_fn`` included (unique storages, parameters
   apart, followed until autograd frees them), the maximum over the timed steps;
+* ``fwd``: the same peak counting only the stage modules' forwards (the loss
+  left out), as ``PeakSavedBytes`` counts;
 * ``recompute_ms``: recompute time per step as the planner measured it (the
   plan's recompute time per forward x micro-batches);
 * ``step_ms``: the median wall time of a schedule step (the slower rank's).
@@ -17,7 +19,9 @@ per rank given to both of its stage modules: one budget for the rank, planned
 jointly against the concurrent peak the profiling step showed) with ``sum``
 (the same, planned against the sum of the two modules' own peaks, every module
 at its peak at once) and ``split`` (two objects of half the budget each).
-``bound`` is what each rank's plan predicts (its ``rank_peak_bytes``).
+``bound`` is what each rank's plan predicts (its ``rank_peak_bytes``). The
+table's ``bnd|fwd`` columns show ``bound`` on the interleaved rows and ``fwd`` on
+the others.
 
 Variants: ``none`` (no checkpoint), ``full`` (full recompute), ``per-stage``
 (``MemoryBudget(bytes=B)`` on each stage: each plans for the forwards its schedule
@@ -58,6 +62,7 @@ import remat_dist as remat  # noqa: E402
 from remat_dist.budget import _joint  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
+from remat_dist.testing import PeakSavedBytes  # noqa: E402
 from tests.budget._step_peak import StepPeak  # noqa: E402
 
 
@@ -83,6 +88,10 @@ def _run(args, rank, schedule_name, policy, config):
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
     peak, step_s = _time_steps(args, rank, config, schedule, [module], meter)
     return peak, step_s, module
+
+
+_FWD: list[int] = []
+"""The last run's forward-only peak (the loss left out), for the rows."""
 
 
 def _run_interleaved(args, rank, policies, config):
@@ -114,11 +123,13 @@ def _time_steps(args, rank, config, schedule, mods, meter):
     timed steps (the first step's where none is timed; the profiling step is left
     out) and the median step time."""
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
-    times, peaks = [], []
+    times, peaks, fwd = [], [], []
+    forward_only = PeakSavedBytes(*mods)
     for step in range(args.warmup + args.iters):
         for m in mods:
             m.zero_grad(set_to_none=True)
         meter.reset()
+        forward_only.reset()
         dist.barrier()
         t0 = time.perf_counter()
         with meter:
@@ -129,8 +140,10 @@ def _time_steps(args, rank, config, schedule, mods, meter):
         dist.barrier()
         if step >= args.warmup or step == 0:
             peaks.append(meter.peak)
+            fwd.append(forward_only.peak)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+    _FWD[:] = [max(fwd[1:] or fwd)]
     return max(peaks[1:] or peaks), statistics.median(times)
 
 
@@ -230,7 +243,7 @@ def _worker(rank, args, store_path, out_path):
                          "recompute_ms": None, "decisions": None})
         lo, hi = max(fulls), max(nones)
         for frac in args.fractions:
-            budget = int(lo + frac * (hi - lo))
+            budget = int(frac * hi) if args.of_none else int(lo + frac * (hi - lo))
             peak, step, module = _run(args, rank, schedule_name,
                                       remat.MemoryBudget(bytes=budget), config)
             plan = remat.current_plan(module)
@@ -243,6 +256,7 @@ def _worker(rank, args, store_path, out_path):
             recompute = args.micro * plan.predicted_time_s
             per = {
                 "peak_per_rank": all_gather_objects(peak),
+                "forward_peak_per_rank": all_gather_objects(_FWD[0]),
                 "step_ms": max(all_gather_objects(step)) * 1e3,
                 "recompute_ms": sum(all_gather_objects(recompute)) * 1e3,
                 "decisions": all_gather_objects(list(plan.decisions().values())),
@@ -250,7 +264,9 @@ def _worker(rank, args, store_path, out_path):
             }
             rows.append({"schedule": schedule_name, "variant": "per-stage",
                          "budget": budget, "fraction": frac, **per})
-            choice = _uniform(tables, budget)
+            choice = None if args.no_uniform else _uniform(tables, budget)
+            if args.no_uniform:
+                continue
             if choice is None:
                 rows.append({"schedule": schedule_name, "variant": "uniform",
                              "budget": budget, "fraction": frac, "infeasible": True})
@@ -284,7 +300,7 @@ def _worker(rank, args, store_path, out_path):
 
 def format_table(result) -> str:
     head = (f"{'schedule':<14} {'variant':<10} {'budget':>10} {'peak r0':>10} "
-            f"{'peak r1':>10} {'bound r0':>10} {'bound r1':>10} {'max/mean':>8} "
+            f"{'peak r1':>10} {'bnd|fwd r0':>10} {'bnd|fwd r1':>10} {'max/mean':>8} "
             f"{'recomp ms':>9} {'step ms':>8}  decisions")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -300,7 +316,7 @@ def format_table(result) -> str:
         if r["decisions"]:
             dec = " | ".join(",".join(d.replace("save ", "s:") for d in ds) for ds in r["decisions"])
         p0, p1 = (p / 2**10 for p in r["peak_per_rank"])
-        bounds = r.get("bound_per_rank") or []
+        bounds = r.get("bound_per_rank") or r.get("forward_peak_per_rank") or []
         b0, b1 = (f"{b / 2**10:.0f}Ki" for b in bounds) if bounds else ("", "")
         lines.append(
             f"{r['schedule'][:14]:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
@@ -321,6 +337,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--schedules", nargs="+",
                         default=["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
+    parser.add_argument("--of-none", action="store_true",
+                        help="Schedule1F1B / ScheduleGPipe budgets as fractions of the no-"
+                             "checkpoint peak (default: of the way from full to none)")
+    parser.add_argument("--no-uniform", action="store_true",
+                        help="leave out the uniform plan rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
