@@ -14,7 +14,9 @@ one run so that the ratios compare on a noisy machine:
 
 Bytes: the peak of every byte saved for backward over a whole step, the loss
 included (unique storages, parameters apart; ``tests/budget/_step_peak.py``),
-after warm-up; time: the median step (forward, loss, backward).
+after warm-up; time: the median step (forward, loss, backward) in the process's
+CPU time on one thread (``--threads``), which other processes on shared cores do
+not inflate (``wall_ms``, the wall-clock median, is in the JSON).
 
     python benchmarks/budget_compile.py --json budget_compile.json
 """
@@ -90,13 +92,14 @@ def _measure(model, step, args) -> dict[str, Any]:
         for p in model.parameters():
             p.grad = None
         meter.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with meter:
             step(model)
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append((time.process_time() - c0, time.perf_counter() - t0))
             peak = max(peak, meter.peak)
-    return {"saved_bytes": peak, "time_ms": 1e3 * statistics.median(times)}
+    return {"saved_bytes": peak, "time_ms": 1e3 * statistics.median(t for t, _ in times),
+            "wall_ms": 1e3 * statistics.median(w for _, w in times)}
 
 
 def run_model(name: str, args) -> list[dict[str, Any]]:
@@ -173,8 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.6])
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rows = [r for name in args.models for r in run_model(name, args)]
     print(format_table(rows))
     if args.json:
