@@ -7,8 +7,8 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
 * ``peak``: the most bytes saved for backward alive at once over a whole step
   on that rank, the schedule's ``loss_fn`` included (unique storages, parameters
   apart, followed until autograd frees them), the maximum over the timed steps;
-* ``fwd``: the same peak counting only the stage modules' forwards (the loss
-  left out), as ``PeakSavedBytes`` counts;
+* ``fwd``: the same peak counting only what the stage modules' forwards saved
+  (the loss left out);
 * ``recompute_ms``: recompute time per step as the planner measured it (the
   plan's recompute time per forward x micro-batches);
 * ``step_ms``: the median wall time of a schedule step (the slower rank's).
@@ -62,7 +62,6 @@ import remat_dist as remat  # noqa: E402
 from remat_dist.budget import _joint  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
-from remat_dist.testing import PeakSavedBytes  # noqa: E402
 from tests.budget._step_peak import StepPeak  # noqa: E402
 
 
@@ -124,12 +123,10 @@ def _time_steps(args, rank, config, schedule, mods, meter):
     out) and the median step time."""
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
     times, peaks, fwd = [], [], []
-    forward_only = PeakSavedBytes(*mods)
     for step in range(args.warmup + args.iters):
         for m in mods:
             m.zero_grad(set_to_none=True)
         meter.reset()
-        forward_only.reset()
         dist.barrier()
         t0 = time.perf_counter()
         with meter:
@@ -140,7 +137,7 @@ def _time_steps(args, rank, config, schedule, mods, meter):
         dist.barrier()
         if step >= args.warmup or step == 0:
             peaks.append(meter.peak)
-            fwd.append(forward_only.peak)
+            fwd.append(meter.forward_peak)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     _FWD[:] = [max(fwd[1:] or fwd)]

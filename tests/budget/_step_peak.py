@@ -30,17 +30,30 @@ class _Held:
 
 
 class StepPeak:
-    """``peak``: the most bytes alive at once since the last :meth:`reset`."""
+    """``peak``: the most bytes alive at once since the last :meth:`reset`;
+    ``forward_peak``: the same counting only what the modules' forwards saved
+    (the loss left out)."""
 
     def __init__(self, *modules: nn.Module) -> None:
         self.params = {self._key(p) for m in modules for p in m.parameters()}
         self.live: dict[Any, list[int]] = {}
-        self.total = 0
-        self.peak = 0
+        self.total = self.peak = 0
+        self.forward_total = self.forward_peak = 0
+        self._inside = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        for m in modules:
+            m.register_forward_pre_hook(self._enter, prepend=True)
+            m.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, *args: Any) -> None:
+        self._inside += 1
+
+    def _leave(self, *args: Any) -> None:
+        self._inside -= 1
 
     def reset(self) -> None:
         self.peak = self.total
+        self.forward_peak = self.forward_total
 
     @staticmethod
     def _key(t: torch.Tensor) -> Any:
@@ -54,9 +67,13 @@ class StepPeak:
             return _Held(t.detach(), self, None)
         entry = self.live.get(key)
         if entry is None:
-            entry = self.live[key] = [plain(t).untyped_storage().nbytes(), 0]
+            inside = self._inside > 0
+            entry = self.live[key] = [plain(t).untyped_storage().nbytes(), 0, inside]
             self.total += entry[0]
             self.peak = max(self.peak, self.total)
+            if inside:
+                self.forward_total += entry[0]
+                self.forward_peak = max(self.forward_peak, self.forward_total)
         entry[1] += 1
         return _Held(t.detach(), self, key)
 
@@ -72,6 +89,8 @@ class StepPeak:
         if entry[1] == 0:
             del self.live[key]
             self.total -= entry[0]
+            if entry[2]:
+                self.forward_total -= entry[0]
 
     def __enter__(self) -> StepPeak:
         self._hooks.__enter__()
