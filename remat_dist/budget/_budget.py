@@ -52,14 +52,15 @@ class MemoryBudget:
     """
 
     bytes: int | str
-    """The budget per rank: the most activation bytes alive at once in a training
-    step, every forward whose graph is alive counted (the micro-batches a
-    pipeline schedule keeps in flight), each as
+    """The budget per rank: the most bytes saved for backward alive at once in
+    a training step, every forward whose graph is alive counted (the
+    micro-batches a pipeline schedule keeps in flight), each as
     ``remat_dist.testing.SavedBytesCounter`` counts them around ``model(batch)``
-    (unique storages, parameters excluded; a loss computed outside the model is
-    not included). Without micro-batches in flight, the bytes of one forward. An
-    int, or a string with a suffix (``"1.5GiB"``, ``"512MiB"``, ``"2GB"``); stored
-    as an int."""
+    (unique storages, parameters excluded), with what its loss saves after it
+    (``F.cross_entropy(model(x), y)``, a schedule's ``loss_fn``; see
+    ``docs/memory_budget.md`` for a loss it cannot see). Without micro-batches in
+    flight, one forward and its loss. An int, or a string with a suffix
+    (``"1.5GiB"``, ``"512MiB"``, ``"2GB"``); stored as an int."""
     regions: Sequence[str] | None = None
     """Submodule paths (relative to each block) that may be kept as save regions:
     every non-empty subset is a candidate, besides full recompute and no checkpoint

@@ -21,7 +21,9 @@ The life of a model under a budget (one state object on the model, see
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
    profiling forward runs under a counter too (chained to any saved-tensor hooks of
-   the caller), which gives the bytes saved outside the blocks.
+   the caller), which gives the bytes saved outside the blocks; after each
+   forward of the step an after-forward window (``_after``) counts what is saved
+   until the next forward: the loss.
 3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
    forward of the step is followed until its graph is backpropagated or dropped;
    the most forwards alive at once is the step's **in-flight count** ``k``, as
@@ -40,9 +42,10 @@ The life of a model under a budget (one state object on the model, see
    model with plain parameters) exchange their tables among themselves
    (``all_gather_objects`` on those groups), take per block and candidate the
    **maximum over those ranks** of bytes and of time, and solve the same
-   knapsack (``_budget_solver``) with every byte weighted by ``k``: the plan of
-   least recompute time whose peak, ``k x (outside + blocks' bytes)``, fits the
-   budget. The plans' digests are compared once more (a
+   knapsack (``_solver``) with every byte weighted by ``k``: the plan of least
+   recompute time whose peak, ``k x (outside + loss + blocks' bytes)``, fits the
+   budget (models sharing the budget: at every moment of their concurrent counts,
+   ``_joint``). The plans' digests are compared once more (a
    :class:`PlanMismatchError` if they differ). An infeasible budget raises
    there (naming the model's blocks, ``k``, the peak at full recompute and the
    budget), and so does every later grad-enabled forward.
