@@ -4,9 +4,11 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
 (4 blocks per stage by default), 4 micro-batches per step, for each schedule
 (``Schedule1F1B``, ``ScheduleGPipe``) and budget. Per variant and rank:
 
-* ``peak``: the most activation bytes alive at once over a whole step on that
-  rank (unique storages saved by autograd in the stage's forwards, parameters
+* ``peak``: the most bytes saved for backward alive at once over a whole step
+  on that rank, the schedule's ``loss_fn`` included (unique storages, parameters
   apart, followed until autograd frees them), the maximum over the timed steps;
+* ``fwd``: the same peak counting only what the stage modules' forwards saved
+  (the loss left out);
 * ``recompute_ms``: recompute time per step as the planner measured it (the
   plan's recompute time per forward x micro-batches);
 * ``step_ms``: the median wall time of a schedule step (the slower rank's).
@@ -14,7 +16,12 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
 ``ScheduleInterleaved1F1B`` runs 4 virtual stages, 2 per rank (half of
 ``--layers`` blocks each), and compares ``shared`` (one ``MemoryBudget`` object
 per rank given to both of its stage modules: one budget for the rank, planned
-jointly) with ``split`` (two objects of half the budget each).
+jointly against the concurrent peak the profiling step showed) with ``sum``
+(the same, planned against the sum of the two modules' own peaks, every module
+at its peak at once) and ``split`` (two objects of half the budget each).
+``bound`` is what each rank's plan predicts (its ``rank_peak_bytes``). The
+table's ``bnd|fwd`` columns show ``bound`` on the interleaved rows and ``fwd`` on
+the others.
 
 Variants: ``none`` (no checkpoint), ``full`` (full recompute), ``per-stage``
 (``MemoryBudget(bytes=B)`` on each stage: each plans for the forwards its schedule
@@ -52,9 +59,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
+from remat_dist.budget import _joint  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
-from remat_dist.testing import PeakSavedBytes  # noqa: E402
+from tests.budget._step_peak import StepPeak  # noqa: E402
 
 
 def _loss(logits, targets):
@@ -74,11 +82,15 @@ def _run(args, rank, schedule_name, policy, config):
     )
     if policy is not None:
         remat.apply_remat(module, blocks=Block, policy=policy)
-    meter = PeakSavedBytes(module)
+    meter = StepPeak(module)
     pipe = PipelineStage(module, rank, 2, torch.device("cpu"))
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
     peak, step_s = _time_steps(args, rank, config, schedule, [module], meter)
     return peak, step_s, module
+
+
+_FWD: list[int] = []
+"""The last run's forward-only peak (the loss left out), for the rows."""
 
 
 def _run_interleaved(args, rank, policies, config):
@@ -99,7 +111,7 @@ def _run_interleaved(args, rank, policies, config):
             remat.apply_remat(m, blocks=Block, policy=policies[k])
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu")))
-    meter = PeakSavedBytes(*mods)
+    meter = StepPeak(*mods)
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=args.micro, loss_fn=_loss)
     peak, step_s = _time_steps(args, rank, config, schedule, mods, meter)
     return peak, step_s, mods
@@ -110,22 +122,25 @@ def _time_steps(args, rank, config, schedule, mods, meter):
     timed steps (the first step's where none is timed; the profiling step is left
     out) and the median step time."""
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
-    times, peaks = [], []
+    times, peaks, fwd = [], [], []
     for step in range(args.warmup + args.iters):
         for m in mods:
             m.zero_grad(set_to_none=True)
         meter.reset()
         dist.barrier()
         t0 = time.perf_counter()
-        if rank == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=[])
+        with meter:
+            if rank == 0:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=targets, losses=[])
         dist.barrier()
         if step >= args.warmup or step == 0:
             peaks.append(meter.peak)
+            fwd.append(meter.forward_peak)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+    _FWD[:] = [max(fwd[1:] or fwd)]
     return max(peaks[1:] or peaks), statistics.median(times)
 
 
@@ -147,7 +162,10 @@ def _interleaved_rows(args, rank, config):
         budget = int(lo + frac * (hi - lo))
         shared = remat.MemoryBudget(bytes=budget)
         halves = (remat.MemoryBudget(bytes=budget // 2), remat.MemoryBudget(bytes=budget // 2))
-        for variant, policies in (("shared", (shared, shared)), ("split", halves)):
+        summed = remat.MemoryBudget(bytes=budget)
+        for variant, policies in (("shared", (shared, shared)), ("sum", (summed, summed)),
+                                  ("split", halves)):
+            _joint.PLAN_AGAINST = "sum" if variant == "sum" else "peak"
             try:
                 peak, step, mods = _run_interleaved(args, rank, policies, config)
             except Exception as e:  # a half too small for its stage
@@ -166,7 +184,7 @@ def _interleaved_rows(args, rank, config):
                 "decisions": all_gather_objects(
                     [d for p in plans for d in p.decisions().values()]
                 ),
-                "bound_per_rank": all_gather_objects(sum(p.predicted_peak_bytes for p in plans)),
+                "bound_per_rank": all_gather_objects(max(p.rank_peak_bytes for p in plans)),
             })
     return rows
 
@@ -222,12 +240,12 @@ def _worker(rank, args, store_path, out_path):
                          "recompute_ms": None, "decisions": None})
         lo, hi = max(fulls), max(nones)
         for frac in args.fractions:
-            budget = int(lo + frac * (hi - lo))
+            budget = int(frac * hi) if args.of_none else int(lo + frac * (hi - lo))
             peak, step, module = _run(args, rank, schedule_name,
                                       remat.MemoryBudget(bytes=budget), config)
             plan = remat.budget.current_plan(module)
             mine = {
-                "outside": plan.outside_bytes, "in_flight": plan.in_flight,
+                "outside": plan.outside_bytes + plan.loss_bytes, "in_flight": plan.in_flight,
                 "blocks": [b.candidates for b in plan.blocks],
                 "names": [b.name for b in plan.blocks],
             }
@@ -235,6 +253,7 @@ def _worker(rank, args, store_path, out_path):
             recompute = args.micro * plan.predicted_time_s
             per = {
                 "peak_per_rank": all_gather_objects(peak),
+                "forward_peak_per_rank": all_gather_objects(_FWD[0]),
                 "step_ms": max(all_gather_objects(step)) * 1e3,
                 "recompute_ms": sum(all_gather_objects(recompute)) * 1e3,
                 "decisions": all_gather_objects(list(plan.decisions().values())),
@@ -242,7 +261,9 @@ def _worker(rank, args, store_path, out_path):
             }
             rows.append({"schedule": schedule_name, "variant": "per-stage",
                          "budget": budget, "fraction": frac, **per})
-            choice = _uniform(tables, budget)
+            choice = None if args.no_uniform else _uniform(tables, budget)
+            if args.no_uniform:
+                continue
             if choice is None:
                 rows.append({"schedule": schedule_name, "variant": "uniform",
                              "budget": budget, "fraction": frac, "infeasible": True})
@@ -276,7 +297,8 @@ def _worker(rank, args, store_path, out_path):
 
 def format_table(result) -> str:
     head = (f"{'schedule':<14} {'variant':<10} {'budget':>10} {'peak r0':>10} "
-            f"{'peak r1':>10} {'max/mean':>8} {'recomp ms':>9} {'step ms':>8}  decisions")
+            f"{'peak r1':>10} {'bnd|fwd r0':>10} {'bnd|fwd r1':>10} {'max/mean':>8} "
+            f"{'recomp ms':>9} {'step ms':>8}  decisions")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if r.get("infeasible"):
@@ -291,9 +313,11 @@ def format_table(result) -> str:
         if r["decisions"]:
             dec = " | ".join(",".join(d.replace("save ", "s:") for d in ds) for ds in r["decisions"])
         p0, p1 = (p / 2**10 for p in r["peak_per_rank"])
+        bounds = r.get("bound_per_rank") or r.get("forward_peak_per_rank") or []
+        b0, b1 = (f"{b / 2**10:.0f}Ki" for b in bounds) if bounds else ("", "")
         lines.append(
             f"{r['schedule'][:14]:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
-            f"{r['imbalance']:>8.2f} {rec:>9} {r['step_ms']:>8.1f}  {dec}"
+            f"{b0:>10} {b1:>10} {r['imbalance']:>8.2f} {rec:>9} {r['step_ms']:>8.1f}  {dec}"
         )
     return "\n".join(lines)
 
@@ -310,6 +334,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--schedules", nargs="+",
                         default=["Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"])
+    parser.add_argument("--of-none", action="store_true",
+                        help="Schedule1F1B / ScheduleGPipe budgets as fractions of the no-"
+                             "checkpoint peak (default: of the way from full to none)")
+    parser.add_argument("--no-uniform", action="store_true",
+                        help="leave out the uniform plan rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,12 +147,6 @@ def validate(cfg: TrainConfig, world: int) -> str:
         raise LaunchError(
             "--sequence-parallel needs --tp > 1 and --seq divisible by --tp."
         )
-    if cfg.compile and cfg.memory_budget is not None:
-        raise LaunchError(
-            "--compile with --memory-budget is not supported: the budget re-plans the "
-            "blocks after step 1, and compiled blocks keep the graphs of step 1. Use "
-            "--compile with --remat."
-        )
     if not 0.0 <= cfg.dropout < 1.0:
         raise LaunchError(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.memory_budget is not None:
@@ -224,10 +218,13 @@ def build(cfg: TrainConfig, world: int, device_type: str) -> tuple[GPT, Any]:
     model = GPT(config, device=device)
     policy = REMAT_POLICIES[cfg.remat]
     if cfg.memory_budget is not None:
-        policy = remat.MemoryBudget(bytes=cfg.memory_budget)
+        # under --compile the budget compiles each block once its plan is made
+        policy = remat.MemoryBudget(
+            bytes=cfg.memory_budget, compile={"fullgraph": True} if cfg.compile else False
+        )
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy, collectives=cfg.collectives)
-    if cfg.compile:  # per block, after remat and before sharding (torchtitan's order)
+    if cfg.compile and cfg.memory_budget is None:  # per block, after remat, before sharding
         for block in model.layers:
             block.compile(fullgraph=True)
     remat.shard_model(model, mesh, blocks=Block, tp_plan=tp_plan)

@@ -5,7 +5,7 @@ number of bytes per rank; a ``remat_dist.wrap.PlannedPolicy`` whose planner is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +33,30 @@ class MemoryBudget:
 
         apply_remat(model, blocks=Block, policy=MemoryBudget(bytes="2GiB"))
 
+    Under ``torch.compile``, do not compile the blocks yourself: pass
+    ``compile=`` (``True`` or ``torch.compile``'s options) and the planner
+    compiles each block once its plan is installed (the profiling step runs
+    eagerly; one compile per block, for the plan)::
+
+        MemoryBudget(bytes="2GiB", compile={"fullgraph": True})
+
     One object is one budget for the rank: given to several models on a rank
     (the stage modules of an interleaved pipeline schedule), they plan jointly,
     at the end of the last one's profiling step, so that their peaks together
     fit ``bytes``; separate objects, even equal ones, are separate budgets.
+
+    Attributes:
+        bytes: the budget as given (a number of bytes or a size such as
+            ``"8GiB"``) for everything the rank saves for backward in a step:
+            the model, what runs outside its blocks, and the loss.
+
+    Example::
+
+        budget = remat_dist.MemoryBudget(bytes="8GiB")
+        remat_dist.apply_remat(model, blocks=Block, policy=budget)
+        loss = F.cross_entropy(model(x), y)  # the profiling step counts the loss
+        loss.backward()
+        print(remat_dist.budget.current_plan(model).format())
 
     Raises :class:`RematUsageError` for a byte count it cannot read, a negative
     one or one that is not a whole number of bytes, and for regions that are not
@@ -45,14 +65,15 @@ class MemoryBudget:
     """
 
     bytes: int | str
-    """The budget per rank: the most activation bytes alive at once in a training
-    step, every forward whose graph is alive counted (the micro-batches a
-    pipeline schedule keeps in flight), each as
+    """The budget per rank: the most bytes saved for backward alive at once in
+    a training step, every forward whose graph is alive counted (the
+    micro-batches a pipeline schedule keeps in flight), each as
     ``remat_dist.testing.SavedBytesCounter`` counts them around ``model(batch)``
-    (unique storages, parameters excluded; a loss computed outside the model is
-    not included). Without micro-batches in flight, the bytes of one forward. An
-    int, or a string with a suffix (``"1.5GiB"``, ``"512MiB"``, ``"2GB"``); stored
-    as an int."""
+    (unique storages, parameters excluded), with what its loss saves after it
+    (``F.cross_entropy(model(x), y)``, a schedule's ``loss_fn``; see
+    ``docs/memory_budget.md`` for a loss it cannot see). Without micro-batches in
+    flight, one forward and its loss. An int, or a string with a suffix
+    (``"1.5GiB"``, ``"512MiB"``, ``"2GB"``); stored as an int."""
     regions: Sequence[str] | None = None
     """Submodule paths (relative to each block) that may be kept as save regions:
     every non-empty subset is a candidate, besides full recompute and no checkpoint
@@ -67,6 +88,13 @@ class MemoryBudget:
     runs, for the cross-rank report (``gather_saved_tensors_report`` shows the
     peak since its previous call). Costs one Python pack hook call per saved
     tensor of every forward; off, the budget costs nothing per step."""
+
+    compile: bool | Mapping[str, Any] = False
+    """Compile each block (``block.compile(**options)``) once the plan is
+    installed: ``True`` for torch.compile's defaults, or a mapping of its
+    options (``{"fullgraph": True, "backend": "inductor"}``). Stored as a
+    sorted tuple of ``(option, value)`` pairs, or ``False``. The blocks run
+    eagerly in the profiling step."""
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +128,15 @@ class MemoryBudget:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(repeats={self.repeats!r}): must be a positive int."
+            )
+        if self.compile is True:
+            object.__setattr__(self, "compile", ())
+        elif isinstance(self.compile, Mapping):
+            object.__setattr__(self, "compile", tuple(sorted(self.compile.items())))
+        elif not (self.compile is False or isinstance(self.compile, tuple)):
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(compile={self.compile!r}): must be True, False "
+                "or a mapping of torch.compile options, e.g. {'fullgraph': True}."
             )
         if not isinstance(self.measure_peak, bool):
             raise RematUsageError(

@@ -42,8 +42,8 @@ class BudgetPlan:
         blocks: per block, in model order.
         outside_bytes: bytes saved outside the blocks (embeddings, final norm, head),
             maximum over ranks.
-        predicted_bytes: ``outside_bytes`` plus the blocks' bytes: what the rank
-            that needs most should save in one forward.
+        predicted_bytes: ``outside_bytes`` plus ``loss_bytes`` plus the blocks'
+            bytes: what the rank that needs most should save per forward.
         predicted_time_s: the blocks' recompute times summed (the objective).
         world_size: ranks the measurements came from (1 without a process group).
         measured_bytes: this rank's saved bytes in the first forward under the
@@ -58,9 +58,20 @@ class BudgetPlan:
             tensor-parallel / FSDP2 ranks; ``(0,)`` without a process group).
         shared_by: how many models on this rank share the ``MemoryBudget``
             object (and plan together); 1 for a budget of its own.
-        rank_peak_bytes: what the joint plan bounds on this rank, the sum over
-            the models sharing the budget of their ``predicted_peak_bytes``
-            (equal to it for a budget of its own), at or under ``budget``.
+        rank_peak_bytes: the rank's peak the plan predicts, at or under
+            ``budget``: with a budget of its own ``predicted_peak_bytes``;
+            shared, the most bytes alive at any moment the profiling step
+            showed (``concurrent``), each model's forwards at its planned
+            bytes per forward.
+        loss_bytes: bytes saved after one forward returned, before the next
+            forward of a model under a budget (the loss), maximum over ranks;
+            part of ``predicted_bytes``.
+        sum_bound_bytes: the sum over the models sharing the budget of their
+            ``predicted_peak_bytes``, every model at its own peak at once (an
+            upper bound of ``rank_peak_bytes``).
+        concurrent: the forwards alive at once per model sharing the budget
+            (in ``apply_remat`` order) at the moments that can hold the
+            rank's peak; ``((in_flight,),)`` for a budget of its own.
     """
 
     budget: int
@@ -75,6 +86,9 @@ class BudgetPlan:
     ranks: tuple[int, ...] = (0,)
     shared_by: int = 1
     rank_peak_bytes: int = 0
+    loss_bytes: int = 0
+    sum_bound_bytes: int = 0
+    concurrent: tuple[tuple[int, ...], ...] = ()
 
     def decisions(self) -> dict[str, str]:
         """``{block name: decision}``."""
@@ -86,14 +100,16 @@ class BudgetPlan:
             f"budget {human(self.budget)}: predicted peak "
             f"{human(self.predicted_peak_bytes or self.predicted_bytes)} per rank = "
             f"{self.in_flight} forward(s) alive x {human(self.predicted_bytes)} saved "
-            f"(outside blocks {human(self.outside_bytes)}), recompute "
+            f"(outside blocks {human(self.outside_bytes)}, after the forward (the loss) "
+            f"{human(self.loss_bytes)}), recompute "
             f"{self.predicted_time_s * 1e3:.2f} ms per forward, over "
             f"{self.world_size} rank(s) {list(self.ranks)}"
         )
         if self.shared_by > 1:
             head += (
                 f"; the budget is shared by {self.shared_by} models on this rank, "
-                f"predicted rank peak {human(self.rank_peak_bytes)}"
+                f"predicted rank peak {human(self.rank_peak_bytes)} (their own peaks "
+                f"summed: {human(self.sum_bound_bytes)})"
             )
         rows = [
             f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"

@@ -12,6 +12,11 @@ counter, inside any saved-tensor hooks the caller entered first) and hands every
 tensor on to those outer hooks, so offloading or another counter keeps working.
 Each saved storage is followed until autograd frees its last saved reference.
 
+After each forward the planner opens an after-forward window
+(``remat_dist.budget._after``) into :meth:`StepMeter.after_sink`: what the loss
+saves counts in the same live total, and ``after_at_peak`` is the part of the
+peak saved after a forward (the loss's share).
+
 It costs one Python pack call and one small object per saved tensor, in every
 step it runs; the planner enters it only for a budget created with
 ``measure_peak=True`` (zero cost otherwise).
@@ -61,6 +66,10 @@ class StepMeter:
         self.live: dict[Any, list[int]] = {}
         self.total = 0
         self.peak = 0
+        self.after = 0
+        """Bytes alive now that a forward's after-window saved (the loss)."""
+        self.after_at_peak = 0
+        """``after`` when ``peak`` was reached."""
         self._open: list[saved_tensors_hooks] = []
 
     def add_parameters(self, model: nn.Module) -> None:
@@ -70,6 +79,28 @@ class StepMeter:
     def restart(self) -> None:
         """Open a new window: the peak starts from what is alive now."""
         self.peak = self.total
+        self.after_at_peak = self.after
+
+    def after_sink(self) -> _AfterSink:
+        """The sink of an after-forward window counting into this meter."""
+        return _AfterSink(self)
+
+    def _add(self, t: torch.Tensor, after: bool) -> Any:
+        """Count ``t``'s storage (None: a parameter); the key to release."""
+        key = _key(t)
+        if key in self.params or isinstance(plain(t), nn.Parameter):
+            return None
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [plain(t).untyped_storage().nbytes(), 0, after]
+            self.total += entry[0]
+            if after:
+                self.after += entry[0]
+            if self.total > self.peak:
+                self.peak = self.total
+                self.after_at_peak = self.after
+        entry[1] += 1
+        return key
 
     def enter(self) -> None:
         top = top_saved_tensors_hooks(False)
@@ -95,17 +126,7 @@ class StepMeter:
             inner = outer.pack_with(t, current_saved_tensor_info())
         else:
             inner = outer[0](t)
-        key = _key(t)
-        if key in self.params or isinstance(plain(t), nn.Parameter):
-            return _Held(inner, outer, self, None)
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [plain(t).untyped_storage().nbytes(), 0]
-            self.total += entry[0]
-            if self.total > self.peak:
-                self.peak = self.total
-        entry[1] += 1
-        return _Held(inner, outer, self, key)
+        return _Held(inner, outer, self, self._add(t, after=False))
 
     @staticmethod
     def _unpack(held: _Held) -> torch.Tensor:
@@ -126,3 +147,18 @@ class StepMeter:
         if entry[1] == 0:
             del self.live[key]
             self.total -= entry[0]
+            if entry[2]:
+                self.after -= entry[0]
+
+
+class _AfterSink:
+    """An after-forward window's view of a :class:`StepMeter`."""
+
+    def __init__(self, meter: StepMeter) -> None:
+        self.meter = meter
+
+    def saved(self, t: torch.Tensor) -> Any:
+        return self.meter._add(t, after=True)
+
+    def release(self, key: Any) -> None:
+        self.meter._release(key)

@@ -21,7 +21,9 @@ The life of a model under a budget (one state object on the model, see
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
    profiling forward runs under a counter too (chained to any saved-tensor hooks of
-   the caller), which gives the bytes saved outside the blocks.
+   the caller), which gives the bytes saved outside the blocks; after each
+   forward of the step an after-forward window (``_after``) counts what is saved
+   until the next forward: the loss.
 3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
    forward of the step is followed until its graph is backpropagated or dropped;
    the most forwards alive at once is the step's **in-flight count** ``k``, as
@@ -40,9 +42,10 @@ The life of a model under a budget (one state object on the model, see
    model with plain parameters) exchange their tables among themselves
    (``all_gather_objects`` on those groups), take per block and candidate the
    **maximum over those ranks** of bytes and of time, and solve the same
-   knapsack (``_budget_solver``) with every byte weighted by ``k``: the plan of
-   least recompute time whose peak, ``k x (outside + blocks' bytes)``, fits the
-   budget. The plans' digests are compared once more (a
+   knapsack (``_solver``) with every byte weighted by ``k``: the plan of least
+   recompute time whose peak, ``k x (outside + loss + blocks' bytes)``, fits the
+   budget (models sharing the budget: at every moment of their concurrent counts,
+   ``_joint``). The plans' digests are compared once more (a
    :class:`PlanMismatchError` if they differ). An infeasible budget raises
    there (naming the model's blocks, ``k``, the peak at full recompute and the
    budget), and so does every later grad-enabled forward.
@@ -79,10 +82,11 @@ from torch import nn
 
 from remat_dist._errors import PlanMismatchError, RematUsageError
 from remat_dist._logging import get_logger
-from remat_dist._torch._autograd import current_graph_task_id
+from remat_dist._torch._autograd import current_graph_task_id, graph_task_keeps_graph
+from remat_dist.budget._after import close_window, open_window
 from remat_dist.budget._backward import at_end_of_backward, input_shapes, tensors_in
 from remat_dist.budget._config import BlockPlan, BudgetPlan
-from remat_dist.budget._joint import ModelTable, solve_jointly
+from remat_dist.budget._joint import ModelTable, moments, peak_of, solve_jointly
 from remat_dist.budget._meter import StepMeter
 from remat_dist.budget._profile import (
     Candidate,
@@ -92,8 +96,8 @@ from remat_dist.budget._profile import (
     param_keys,
     profile_block,
 )
-from remat_dist.distributed import all_gather_objects, dist_ready
-from remat_dist.distributed._intercept import _bypass
+from remat_dist.core import plain
+from remat_dist.distributed import all_gather_objects, dist_ready, own_collectives
 from remat_dist.wrap import BlockInstaller, planner_of
 
 if TYPE_CHECKING:
@@ -153,6 +157,7 @@ class _Planner:
     table: list[dict[str, tuple[int, float]]] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # per block, in the profiling forward
     outside: int = 0  # bytes the profiling forward saved outside the blocks
+    after: int = 0  # most bytes saved after one forward of the step (the loss)
     profiling_now: bool = False  # the forward running now runs the side passes
     profiled: bool = False  # the side passes' table is complete
     plan: BudgetPlan | None = None
@@ -178,6 +183,7 @@ class _Planner:
 
     def detach(self) -> None:
         self.phase = BudgetPhase.REMOVED  # leaves its _Shared's members
+        close_window()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -253,6 +259,27 @@ class _Shared:
     """The planners, weakly (a model dropped leaves), in ``apply_remat`` order."""
     meter: StepMeter | None = None
     order: int = field(default_factory=lambda: next(_ORDER))
+    concurrent: list[tuple[int, ...]] = field(default_factory=list)
+    """At each profiling forward's end, the forwards alive per member (the
+    members in ``apply_remat`` order at that moment): the moments the rank's
+    peak can fall on."""
+
+    def note_concurrent(self) -> None:
+        """Record the forwards alive now, per member: those followed for one
+        profiling; its own peak count for one whose step has ended (it is no
+        longer followed, and a schedule may run its forwards again in the same
+        step: ScheduleDualPipeV's last stage backpropagates each micro-batch
+        before the next one's forward); 0 for one not profiling yet."""
+        for m in self.members:
+            if m.phase is BudgetPhase.PROFILING:
+                _settle(m)  # a split backward's weight half may have freed some
+        v = tuple(
+            sum(not f.done for f in m.step) if m.phase is BudgetPhase.PROFILING
+            else max(1, m.in_flight) if m.phase is BudgetPhase.WAIT_OTHERS else 0
+            for m in self.members
+        )
+        if v not in self.concurrent:
+            self.concurrent.append(v)
 
     @property
     def members(self) -> list[_Planner]:
@@ -288,14 +315,29 @@ def live_budgets() -> list[_Shared]:
 
 
 def current_plan(model: nn.Module) -> BudgetPlan | None:
-    """The plan a :class:`MemoryBudget` chose for ``model`` and runs: per block the
-    decision, its bytes and its recompute time (maxima over ranks). None until the
-    plan is installed (at the end of the profiling step's backward). Raises
-    :class:`RematUsageError` when ``model`` has no memory budget."""
+    """The plan a :class:`MemoryBudget` chose for ``model`` and runs.
+
+    Args:
+        model: a model given a ``MemoryBudget`` by ``apply_remat``.
+
+    Returns:
+        The :class:`BudgetPlan`: per block the decision, its bytes and its
+        recompute time (maxima over ranks); None until the plan is installed
+        (at the end of the profiling step's backward).
+
+    Raises:
+        RematUsageError: ``model`` has no memory budget.
+
+    Example::
+
+        plan = remat_dist.budget.current_plan(model)
+        if plan is not None:
+            print(plan.format())
+    """
     state = planner_of(model)
     if not isinstance(state, _Planner):
         raise RematUsageError(
-            f"remat_dist.current_plan: {type(model).__name__} has no MemoryBudget. "
+            f"remat_dist.budget.current_plan: {type(model).__name__} has no MemoryBudget. "
             "Fix: apply_remat(model, blocks=..., policy=MemoryBudget(bytes=...))."
         )
     return state.plan if state.phase in (BudgetPhase.VERIFY, BudgetPhase.PLANNED) else None
@@ -305,6 +347,7 @@ def current_plan(model: nn.Module) -> BudgetPlan | None:
 
 
 def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
+    close_window()  # what the previous forward's loss saved is counted
     if not torch.is_grad_enabled():
         return
     if state.phase is BudgetPhase.FAILED:
@@ -326,7 +369,13 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
             )
             state.go(BudgetPhase.PROFILE)
     if state.phase is BudgetPhase.PROFILE:
+        shared = state.shared
+        if shared is not None and not any(
+            m.phase in (BudgetPhase.PROFILING, BudgetPhase.WAIT_OTHERS) for m in shared.members
+        ):
+            shared.concurrent = []  # the first of the members to profile (again)
         state.go(BudgetPhase.PROFILING)
+        state.after = 0
         state.shapes = input_shapes(args)
         state.table = [{} for _ in state.installer.blocks]
         state.calls = [0 for _ in state.installer.blocks]
@@ -353,6 +402,55 @@ _RUNS_THE_PLAN = (BudgetPhase.VERIFY, BudgetPhase.PLANNED)
 
 
 def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> None:
+    metered = bool(state.metering)
+    try:
+        _post(state, args, output)
+    finally:
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tensors_in(output)
+        ):
+            _open_after(state, metered)
+
+
+def _open_after(state: _Planner, metered: bool) -> None:
+    """Count what this thread saves from now until the next forward of a model
+    under a budget (the loss, ``remat_dist.budget._after``): into the
+    profiling step's tally, and into the rank's step meter when it runs."""
+    sinks: list[Any] = []
+    if state.phase is BudgetPhase.PROFILING:
+        sinks.append(_AfterTally(state))
+    meter = state.shared.meter if state.shared is not None else None
+    if metered and meter is not None:
+        sinks.append(meter.after_sink())
+    open_window(sinks)
+
+
+class _AfterTally:
+    """The bytes one window saves (unique storages, parameters apart); the
+    planner keeps the most of any forward of its profiling step."""
+
+    def __init__(self, state: _Planner) -> None:
+        self.state = weakref.ref(state)  # a window left open must not keep a model
+        self.seen: set[Any] = set()
+        self.total = 0
+
+    def saved(self, t: torch.Tensor) -> None:
+        state = self.state()
+        local = plain(t)
+        key = (local.device, local.untyped_storage()._cdata)
+        if state is None or key in state.params or isinstance(local, nn.Parameter):
+            return None
+        if key not in self.seen:
+            self.seen.add(key)
+            self.total += local.untyped_storage().nbytes()
+            state.after = max(state.after, self.total)
+        return None
+
+    def release(self, key: Any) -> None:  # pragma: no cover - saved returns None
+        pass
+
+
+def _post(state: _Planner, args: Any, output: Any) -> None:
     counter, state.counter = state.counter, None
     if counter is not None:
         counter.__exit__(None, None, None)
@@ -408,6 +506,8 @@ def _post_hook(state: _Planner, model: nn.Module, args: Any, output: Any) -> Non
         # something else (a loss kept on the model); the next forward plans
         fwd.done = True
     state.in_flight = max(state.in_flight, sum(not f.done for f in state.step) or 1)
+    if state.shared is not None:
+        state.shared.note_concurrent()
 
 
 def _done(fwd: _Forward) -> None:
@@ -450,6 +550,13 @@ def _backward_ended(state: _Planner, fwd: _Forward) -> None:
         return
     task = current_graph_task_id()
     if state.grad_hooks and task not in state.trained_tasks:
+        if graph_task_keeps_graph():
+            # the input half of a split backward (ScheduleZBVZeroBubble,
+            # ScheduleDualPipeV: autograd.grad for the inputs, retain_graph=True);
+            # the graph lives on until its weight half, which frees it (the
+            # forward is done once its checkpoint records are gone, _settle)
+            fwd.done = False
+            return
         state.step = [f for f in state.step if f is not fwd]
         return
     if _step_ended(state):
@@ -508,6 +615,13 @@ def _finish_step(state: _Planner) -> None:
         state.go(BudgetPhase.FAILED)
         state.error = error
         raise error
+    for m in members:
+        if m.phase is BudgetPhase.PROFILING and m is not state:
+            _settle(m)  # a split backward's weight half ended its step unseen
+            if _step_ended(m):
+                _drop_grad_hooks(m)
+                m.step = []
+                m.go(BudgetPhase.WAIT_OTHERS)
     waiting = [m for m in members if m.phase is not BudgetPhase.WAIT_OTHERS]
     if waiting:
         log.info(
@@ -536,27 +650,41 @@ def _finish_step(state: _Planner) -> None:
 
 
 def _check_measured(state: _Planner, total: int, args: Any) -> None:
-    """The first step under the plan, counted: warn when it is over budget."""
-    assert state.plan is not None
-    state.plan.measured_bytes = total
-    if total <= state.budget.bytes:
+    """The first forward under the plan, counted: warn when, with the loss and
+    the forwards in flight, it would not fit the budget, naming the cause."""
+    plan = state.plan
+    assert plan is not None
+    plan.measured_bytes = total
+    forward = plan.predicted_bytes - plan.loss_bytes  # what this forward should save
+    if plan.in_flight * (total + plan.loss_bytes) <= state.budget.bytes:
         return
     shapes = input_shapes(args)
-    cause = (
-        f"the plan was made from the first grad-enabled forward, whose "
-        f"inputs had shapes {state.shapes}, and this one's are {shapes} "
-        "(a sanity or validation forward with grad enabled on another "
-        "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
-        "on the training batch (remove_remat(model), then apply_remat)."
-        if shapes != state.shapes
-        else "the blocks share storages with the rest of the model, which "
-        "per-block measurement misses. Fix: a smaller budget leaves room."
-    )
+    if shapes != state.shapes:
+        cause = (
+            f"the plan was made from the first grad-enabled forward, whose "
+            f"inputs had shapes {state.shapes}, and this one's are {shapes} "
+            "(a sanity or validation forward with grad enabled on another "
+            "batch?). Fix: run such forwards under torch.no_grad(), or re-plan "
+            "on the training batch (remove_remat(model), then apply_remat)."
+        )
+    elif state.budget.compile is not False and total > forward:
+        cause = (
+            f"the compiled blocks save {human(total - forward)} more per forward "
+            "than the eager candidates the plan measured (AOTAutograd's "
+            "partitioner chooses what a compiled graph saves). Fix: a budget "
+            f"smaller by {plan.in_flight} x that excess."
+        )
+    else:
+        cause = (
+            "the blocks share storages with the rest of the model, which "
+            "per-block measurement misses. Fix: a smaller budget leaves room."
+        )
     log.warning(
-        "MemoryBudget: this rank saved %s in the first step under the plan, "
-        "over the budget of %s (predicted %s): %s",
-        human(total), human(state.budget.bytes),
-        human(state.plan.predicted_bytes), cause,
+        "MemoryBudget: this rank saved %s in the first forward under the plan "
+        "(predicted %s, %d forward(s) in flight, the loss %s each), over the budget "
+        "of %s: %s",
+        human(total), human(forward), plan.in_flight, human(plan.loss_bytes),
+        human(state.budget.bytes), cause,
     )
 
 
@@ -614,6 +742,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     mine = {
         "rank": me,
         "outside": outside,
+        "after": state.after,
         "in_flight": max(1, state.in_flight),
         "labels": labels,
         "table": [[list(row[label]) for label in ls] for row, ls in zip(state.table, labels)],
@@ -621,7 +750,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     groups = _agreeing_groups(state) if dist_ready() else []
     records = {me: mine}
     for group in groups:
-        with _bypass():  # the planner's own exchange, not a collective of the model
+        with own_collectives():  # the planner's own exchange, not a collective of the model
             got = all_gather_objects([records[r] for r in sorted(records)], group=group)
         for theirs in got:
             for rec in theirs:
@@ -645,7 +774,9 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
     who = ""
     if len(ranks) > 1:
         per_rank = [
-            r["in_flight"] * (r["outside"] + sum(min(int(w) for w, _ in blk) for blk in r["table"]))
+            r["in_flight"] * (
+                r["outside"] + r["after"] + sum(min(int(w) for w, _ in blk) for blk in r["table"])
+            )
             for r in ranks
         ]
         worst = max(range(len(ranks)), key=lambda i: per_rank[i])
@@ -657,6 +788,7 @@ def _table(state: _Planner, outside: int) -> tuple[ModelTable, list[dict[str, An
         outside=max(r["outside"] for r in ranks),
         in_flight=max(r["in_flight"] for r in ranks),
         needs_most=who,
+        after=max(r["after"] for r in ranks),
     )
     return table, ranks
 
@@ -669,8 +801,9 @@ def _plan_shared(states: list[_Planner]) -> None:
     budget = states[0].budget.bytes
     made = [_table(state, state.outside) for state in states]
     tables = [t for t, _ in made]
-    choices = solve_jointly(tables, budget)
-    joint = 0
+    shared = states[0].shared
+    concurrent = _concurrent(shared, tables)
+    choices = solve_jointly(tables, budget, concurrent)
     plans = []
     for state, (table, ranks), choice in zip(states, made, choices):
         costs, k = table.costs, table.in_flight
@@ -683,8 +816,7 @@ def _plan_shared(states: list[_Planner]) -> None:
                 name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
                 candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
             ))
-        predicted = table.outside + sum(b.bytes for b in blocks)
-        joint += k * predicted
+        predicted = table.fixed + sum(b.bytes for b in blocks)
         plans.append(BudgetPlan(
             budget=budget,
             blocks=blocks,
@@ -695,13 +827,18 @@ def _plan_shared(states: list[_Planner]) -> None:
             in_flight=k,
             predicted_peak_bytes=k * predicted,
             ranks=tuple(r["rank"] for r in ranks),
+            loss_bytes=table.after,
         ))
+    per_forward = [p.predicted_bytes for p in plans]
+    joint = peak_of(per_forward, concurrent)
     for state, plan in zip(states, plans):
         plan.shared_by = len(states)
         plan.rank_peak_bytes = joint
+        plan.sum_bound_bytes = sum(p.predicted_peak_bytes for p in plans)
+        plan.concurrent = tuple(concurrent)
         digest = hashlib.sha256(json.dumps(plan.decisions()).encode()).hexdigest()[:16]
         for group in _agreeing_groups(state) if dist_ready() else []:
-            with _bypass():
+            with own_collectives():
                 digests = all_gather_objects(digest, group=group)
             if len(set(digests)) > 1:
                 raise PlanMismatchError(
@@ -717,6 +854,12 @@ def _plan_shared(states: list[_Planner]) -> None:
         )
         log.info("MemoryBudget plan for %s%s, applied from now on:\n%s",
                  stage_name(state), shared, plan.format())
+
+
+def _concurrent(shared: _Shared | None, tables: list[ModelTable]) -> list[tuple[int, ...]]:
+    """The moments the rank's peak can fall on (``_joint.moments``) from the
+    forwards alive per model at each profiling forward's end."""
+    return moments(tables, shared.concurrent if shared is not None else None)
 
 
 def _global_rank() -> int:
@@ -781,3 +924,9 @@ def _install_plan(state: _Planner) -> None:
     state.installer.install(
         {bp.name: None if bp.regions is None else dict(bp.regions) for bp in plan.blocks}
     )
+    options = state.budget.compile
+    if options is not False:
+        # after the plan: each block compiles once, with its checkpoint and
+        # save regions as planned (the profiling step ran eagerly)
+        for _, module in state.installer.blocks:
+            module.compile(**dict(options))

@@ -31,8 +31,11 @@ from remat_dist._torch._autograd import top_saved_tensors_hooks
 from remat_dist._torch._module import buffers_of
 from remat_dist._torch._pytree import tree_leaves, tree_map
 from remat_dist.core import current_saved_tensor_info, plain, saved_tensors_hooks
-from remat_dist.distributed import CPURNGStateHook, default_state_hooks
-from remat_dist.distributed._intercept import ObserverExtent
+from remat_dist.distributed import (
+    CPURNGStateHook,
+    bare_hooks_extent,
+    default_state_hooks,
+)
 from remat_dist.wrap import BlockInstaller, call_block
 
 __all__ = [
@@ -431,7 +434,7 @@ def _time_block(
             sync()
             t0 = clock()
             # innermost identity hooks: the model's counter must not see this pass
-            route = ObserverExtent(None)  # no Python hook in backend work (_issue_bare)
+            route = bare_hooks_extent()  # no Python hook in backend work
             try:
                 with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                     out = call_block(module, *args, **kwargs)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-__all__ = ["MAX_FRONTIER", "brute_force", "plan_cost", "solve"]
+__all__ = ["MAX_FRONTIER", "brute_force", "frontier", "plan_cost", "solve"]
 
 MAX_FRONTIER = 4096
 """Frontier points kept per block before thinning (see the module docstring)."""
@@ -65,8 +65,16 @@ def plan_cost(costs: Costs, choice: Sequence[int]) -> tuple[int, float]:
 def solve(costs: Costs, capacity: int) -> list[int] | None:
     """The choice vector (one candidate index per block) of least total time whose
     total bytes fit ``capacity``; None when even the smallest choice does not fit."""
+    points = frontier(costs, capacity)
+    return None if not points else points[-1][2]
+
+
+def frontier(costs: Costs, capacity: int) -> list[tuple[int, float, list[int]]]:
+    """Every plan that fits ``capacity`` and that no other beats on both bytes
+    and time, as ``(bytes, seconds, choice)``: bytes ascending, seconds strictly
+    descending (the last is :func:`solve`'s answer); empty when none fits."""
     if capacity < 0:
-        return None
+        return []
     # One layer per block: parallel lists (bytes, time, parent index, choice).
     layers: list[tuple[list[int], list[float], list[int], list[int]]] = []
     cur_b, cur_t = [0], [0.0]
@@ -78,7 +86,7 @@ def solve(costs: Costs, capacity: int) -> list[int] | None:
                 if nb <= capacity:
                     cand.append((nb, tb + t, i, c))
         if not cand:
-            return None
+            return []
         # bytes ascending, then time, then the (parent, choice) order: deterministic
         cand.sort()
         nb_l, nt_l, np_l, nc_l = [], [], [], []
@@ -95,15 +103,17 @@ def solve(costs: Costs, capacity: int) -> list[int] | None:
         layers.append((nb_l, nt_l, np_l, nc_l))
         cur_b, cur_t = nb_l, nt_l
     if not layers:
-        return []
-    # the frontier's last point is its fastest (times strictly decrease)
-    idx = len(layers[-1][0]) - 1
-    choice: list[int] = []
-    for _nb, _nt, np_l, nc_l in reversed(layers):
-        choice.append(nc_l[idx])
-        idx = np_l[idx]
-    choice.reverse()
-    return choice
+        return [(0, 0.0, [])]
+    out = []
+    last_b, last_t = layers[-1][0], layers[-1][1]
+    for end in range(len(last_b)):
+        idx, choice = end, []
+        for _nb, _nt, np_l, nc_l in reversed(layers):
+            choice.append(nc_l[idx])
+            idx = np_l[idx]
+        choice.reverse()
+        out.append((last_b[end], last_t[end], choice))
+    return out
 
 
 def _thin(

@@ -13,10 +13,13 @@ Shape (JSON-able)::
         "peak_bytes": int | None,       # measured since the previous report
                                         # (None: not asked, measure_peak=False,
                                         # or no plan yet)
+        "loss_bytes_at_peak": int | None,  # of peak_bytes, what was saved after
+                                        # a forward (the loss) at that moment
         "predicted_peak_bytes": int,    # what the joint plan bounds (0: no plan yet)
         "models": [{"name": str, "blocks": [str], "in_flight": int | None,
                     "decisions": [[block, decision]] | None,
-                    "predicted_peak_bytes": int | None, "phase": str}],
+                    "predicted_peak_bytes": int | None, "loss_bytes": int | None,
+                    "phase": str}],
     }]}
 
 Models dropped by the caller but kept by reference cycles (a pipeline stage and
@@ -59,17 +62,20 @@ def rank_summary() -> dict[str, Any] | None:
                 "in_flight": None if plan is None else plan.in_flight,
                 "decisions": None if plan is None else [list(d) for d in plan.decisions().items()],
                 "predicted_peak_bytes": None if plan is None else plan.predicted_peak_bytes,
+                "loss_bytes": None if plan is None else plan.loss_bytes,
                 "phase": state.phase.value,
             })
-            predicted += 0 if plan is None else plan.predicted_peak_bytes
+            if plan is not None:
+                predicted = plan.rank_peak_bytes or plan.predicted_peak_bytes
         meter = shared.meter
-        peak = None
+        peak = loss_at_peak = None
         if meter is not None:
-            peak = meter.peak
+            peak, loss_at_peak = meter.peak, meter.after_at_peak
             meter.restart()
         budgets.append({
             "budget": shared.budget.bytes,
             "peak_bytes": peak,
+            "loss_bytes_at_peak": loss_at_peak,
             "predicted_peak_bytes": predicted,
             "models": models,
         })

@@ -5,7 +5,7 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
 * the collective ledger: every checkpoint records the collectives its forward
   issues; replay checks each one before issuing it (``collectives="replay"``) or
   issues none and serves the kept outputs (``collectives="save"``); divergence
-  raises :class:`~remat_dist.CollectiveReplayError` on every rank at stake;
+  raises :class:`~remat_dist.errors.CollectiveReplayError` on every rank at stake;
 * a plan agreement among the ranks at stake (the groups whose collectives a
   replay can re-issue) before backward's first collective, and a failure report
   among them at backward's end, on a gloo group of those ranks only
@@ -85,3 +85,34 @@ __all__ = [
     "rank_device",
     "reset_step_state",
 ]
+
+
+# -- for the layers above: their own collectives and hook extents (append only)
+from remat_dist.distributed._intercept import _bypass as _own_collectives  # noqa: E402
+
+
+def own_collectives():  # type: ignore[no-untyped-def]
+    """A context in which this thread's collectives are the caller's own (a
+    planner's exchange of its measurements), not the model's: no ledger, no
+    agreement, no observer sees them.
+
+    Example::
+
+        with own_collectives():
+            tables = all_gather_objects(mine, group=group)
+    """
+    return _own_collectives()
+
+
+def bare_hooks_extent() -> ObserverExtent:
+    """Start an extent in which collectives this thread issues under Python
+    saved-tensor hooks go out without them (as outside any checkpoint); end it
+    with ``.pop()``. Nothing without a process group.
+
+    Returns:
+        the extent (its ``pop()`` is idempotent).
+    """
+    return ObserverExtent(None)
+
+
+__all__ += ["bare_hooks_extent", "own_collectives"]

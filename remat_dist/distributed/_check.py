@@ -56,7 +56,7 @@ def check_plan_consistency(group: Any = None) -> None:
 
     if current_frame() is not None:
         raise PlanMismatchError(
-            "remat_dist.check_plan_consistency() was called inside a checkpoint; "
+            "remat_dist.distributed.check_plan_consistency() was called inside a checkpoint; "
             "call it between steps (or after the forward), on every rank of the group."
         )
     if not dist_ready():

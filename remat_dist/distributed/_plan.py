@@ -254,5 +254,5 @@ def failure_text(
         f"{head}: they stalled, died, raised earlier in this step, or run another "
         "number of steps. No rank of them issued a collective of this backward "
         "after it. Fix the failing rank (its own error says why); raise the bound "
-        "with remat_dist.set_replay_timeout(seconds)."
+        "with remat_dist.distributed.set_replay_timeout(seconds)."
     )

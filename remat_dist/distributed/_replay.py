@@ -15,7 +15,7 @@ never imports this. With a process group:
   outputs (``"save"``);
 * a replay at stake that diverges or raises is absorbed: the rank releases what its
   peers wait for, the core completes the replay with stand-ins, and the report at
-  the end of backward raises :class:`~remat_dist.CollectiveReplayError` on
+  the end of backward raises :class:`~remat_dist.errors.CollectiveReplayError` on
   every rank of the stake. A replay at stake nowhere, and a communication failure
   (timeout, dead peer), raise at once.
 

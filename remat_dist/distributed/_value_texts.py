@@ -4,7 +4,7 @@ A leaf (``_step`` imports it, and it imports nothing of ``_step``'s): the value
 check (``_values``) reports a replay that computed other values through the same
 end-of-backward report as a replay that diverged (``_step``). When every failed
 rank's message is a value mismatch, the report raises
-:class:`~remat_dist.ReplayValueMismatchError` (a ``CollectiveReplayError``);
+:class:`~remat_dist.errors.ReplayValueMismatchError` (a ``CollectiveReplayError``);
 otherwise ``CollectiveReplayError`` itself.
 """
 

@@ -19,7 +19,7 @@ ledger's so that its extent is the innermost one:
 * a difference, here or in the core's comparison of the saved tensors
   (``on_replay_values``), becomes this graph task's failure (``_step``): the
   end-of-backward report that the ranks at stake run anyway carries it, and every
-  rank of the stake raises :class:`~remat_dist.ReplayValueMismatchError`, naming
+  rank of the stake raises :class:`~remat_dist.errors.ReplayValueMismatchError`, naming
   the checkpoint, the collective or saved tensor and the ranks, before the
   optimizer step. Nothing differs: nothing more is sent. A checkpoint at stake
   nowhere (FSDP2 with checkpoints inside the units) raises on its own rank at

@@ -168,7 +168,7 @@ class VerifyCollectives:
                 "did not join it in time: it stalled, died, or failed before this "
                 "replay. The process group cannot be used after this; restart the job "
                 "(torchrun --max-restarts) or raise the bound with "
-                "remat_dist.set_replay_timeout(seconds)."
+                "remat_dist.distributed.set_replay_timeout(seconds)."
             )
             err.comm_failure = True  # type: ignore[attr-defined]
             raise err from exc

@@ -216,6 +216,8 @@ class RankBudget:
         predicted_peak_bytes: what its plans bound (the sum over its models of
             ``k x`` bytes per forward).
         stages: its models, in ``apply_remat`` order.
+        loss_bytes_at_peak: of ``peak_bytes``, the bytes saved after a forward
+            (the loss) at that moment (None: not measured).
     """
 
     rank: int
@@ -223,6 +225,7 @@ class RankBudget:
     peak_bytes: int | None
     predicted_peak_bytes: int
     stages: tuple[StagePlan, ...]
+    loss_bytes_at_peak: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -231,17 +234,20 @@ class RankBudget:
             "peak_bytes": self.peak_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "stages": [st.to_dict() for st in self.stages],
+            "loss_bytes_at_peak": self.loss_bytes_at_peak,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankBudget:
         peak = d.get("peak_bytes")
+        loss = d.get("loss_bytes_at_peak")
         return cls(
             rank=int(d["rank"]),
             budget_bytes=int(d["budget_bytes"]),
             peak_bytes=None if peak is None else int(peak),
             predicted_peak_bytes=int(d.get("predicted_peak_bytes", 0)),
             stages=tuple(StagePlan.from_dict(st) for st in d.get("stages", ())),
+            loss_bytes_at_peak=None if loss is None else int(loss),
         )
 
 
@@ -283,6 +289,8 @@ class BudgetReport:
                 else sum(int(p) for p in peaks),
                 predicted_peak_bytes=sum(int(b.get("predicted_peak_bytes", 0)) for b in budgets),
                 stages=tuple(StagePlan.from_dict(m) for b in budgets for m in b.get("models", ())),
+                loss_bytes_at_peak=None if any(p is None for p in peaks) or not peaks
+                else sum(int(b.get("loss_bytes_at_peak") or 0) for b in budgets),
             ))
         measured = [r for r in ranks if r.peak_bytes is not None]
         peaks = (
@@ -313,6 +321,11 @@ class BudgetReport:
             else:
                 share = r.peak_bytes / r.budget_bytes * 100 if r.budget_bytes else 0.0
                 peak = f"peak {format_bytes(r.peak_bytes)} = {share:.0f}%"
+                if r.loss_bytes_at_peak:
+                    peak += (
+                        f" (loss {format_bytes(r.loss_bytes_at_peak)} = "
+                        f"{r.loss_bytes_at_peak / r.peak_bytes * 100:.0f}% of it)"
+                    )
             heaviest = p is not None and p.max > p.min and r.rank == p.max_rank
             mark = "  <- heaviest" if heaviest else ""
             lines.append(

@@ -3,10 +3,11 @@ stages (and 2x2 with tensor parallelism or FSDP2), the stages of
 ``tests/distributed/test_pipeline.py`` (slices of the reference GPT, 2 blocks each,
 4 micro-batches).
 
-The budget is the rank's peak: the most activation bytes alive at any moment of a
-whole schedule step, every micro-batch in flight included, measured here by
-:class:`PeakSavedBytes` (unique storages held by autograd for the stage's forwards,
-parameters apart, as ``SavedBytesCounter`` counts them). Each stage plans at the
+The budget is the rank's peak: the most bytes saved for backward alive at any
+moment of a whole schedule step, every micro-batch in flight and the schedule's
+``loss_fn`` included, measured here by ``StepPeak`` entered around each
+``schedule.step`` (unique storages, parameters apart, as ``SavedBytesCounter``
+counts them). Each stage plans at the
 end of its profiling step from what it measured there (nothing gathered across
 stages, so no deadlock with the pipeline's sends and receives), for the forwards
 the schedule kept alive at once on it.
@@ -23,7 +24,9 @@ import torch
 import remat_dist as remat
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
-from remat_dist.testing import DistContext, PeakSavedBytes, distributed
+from remat_dist.testing import DistContext, distributed
+from tests.budget._joint_check import joint_bounds, joint_optimum
+from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -60,17 +63,17 @@ def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
 
 
 def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_mesh=None,
-         seed_rank=0):
+         seed_rank=0, loss_fn=_loss_fn):
     """``steps`` schedule steps on this rank's stage: per step the peak of live
     activation bytes, the losses (last stage) and the gradients; the stage module."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
-    meter = PeakSavedBytes(module)
+    meter = StepPeak(module)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp_group)
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=MICRO_BATCHES,
-                                           loss_fn=_loss_fn)
+                                           loss_fn=loss_fn)
     out = []
     for step in range(steps):
         tokens, targets = make_batch(CONFIG, BATCH, seed=100 + 10 * step + seed_rank)
@@ -78,10 +81,11 @@ def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_me
         torch.manual_seed(step)
         losses: list = []
         meter.reset()
-        if stage == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=losses)
+        with meter:
+            if stage == 0:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=targets, losses=losses)
         grads = {n: getattr(p.grad, "_local_tensor", p.grad).clone()
                  for n, p in module.named_parameters()}
         out.append((meter.peak, [x.detach().clone() for x in losses], grads))
@@ -124,7 +128,7 @@ def _check_optimal(plan) -> None:
     flight."""
     k = plan.in_flight
     costs = [[(k * w, t) for w, t in b.candidates.values()] for b in plan.blocks]
-    cap = plan.budget - k * plan.outside_bytes
+    cap = plan.budget - k * (plan.outside_bytes + plan.loss_bytes)
     best = brute_force(costs, cap)
     chosen = [list(b.candidates).index(b.decision) for b in plan.blocks]
     assert plan_cost(costs, chosen)[0] <= cap
@@ -170,20 +174,28 @@ def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
         assert any(a < b for a, b in zip(*per_stage)), per_stage
 
 
+def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss that saves nothing for backward."""
+    return logits.float().mean()
+
+
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=120)
 def test_budget_below_full_recompute_names_the_stage(ctx: DistContext):
-    """1F1B: a budget that fits stage 1 at full recompute (1 forward in flight) but
-    not stage 0 (2): stage 0 raises at the end of its profiling step, naming its
-    blocks, its peak at full recompute and the budget; stage 1 trains on."""
+    """1F1B with a loss that saves nothing: a budget that fits stage 1 at full
+    recompute (1 forward in flight) but not stage 0 (2): stage 0 raises at the
+    end of its profiling step, naming its blocks, its peak at full recompute
+    and the budget; stage 1 trains on. (The last stage raises at the end of
+    its last backward, before it sends its gradient: its peer would wait.)"""
     pp, stage = ctx.mesh.get_group(), ctx.rank
-    full, _ = _run("Schedule1F1B", "full", pp_group=pp, stage=stage, steps=1)
+    full, _ = _run("Schedule1F1B", "full", pp_group=pp, stage=stage, steps=1,
+                   loss_fn=_mean_loss)
     peaks = ctx.all_gather_object(full[0][0])
     budget = (peaks[0] + peaks[1]) // 2
     assert peaks[1] < budget < peaks[0]
     if stage == 0:
         with pytest.raises(Exception) as ei:  # torch's pipelining wraps it
             _run("Schedule1F1B", remat.MemoryBudget(bytes=budget), pp_group=pp,
-                 stage=stage, steps=1)
+                 stage=stage, steps=1, loss_fn=_mean_loss)
         err = ei.value
         while not isinstance(err, remat.RematUsageError) and err.__cause__ is not None:
             err = err.__cause__
@@ -195,7 +207,7 @@ def test_budget_below_full_recompute_names_the_stage(ctx: DistContext):
         assert smallest >= peaks[0]  # unique storages shared by micro-batches: at most
     else:
         runs, module = _run("Schedule1F1B", remat.MemoryBudget(bytes=budget),
-                            pp_group=pp, stage=stage, steps=1)
+                            pp_group=pp, stage=stage, steps=1, loss_fn=_mean_loss)
         assert runs[0][0] <= budget
 
 
@@ -217,7 +229,7 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
             remat.apply_remat(m, blocks=Block, policy=policy)
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-    meter = PeakSavedBytes(*mods)  # the rank's peak
+    meter = StepPeak(*mods)  # the rank's peak
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
     out = []
@@ -227,25 +239,15 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
             m.zero_grad(set_to_none=True)
         meter.reset()
         losses: list = []
-        if ctx.rank == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=losses)
+        with meter:
+            if ctx.rank == 0:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=targets, losses=losses)
         grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
                  for n, p in m.named_parameters()}
         out.append((meter.peak, losses, grads))
     return out, mods
-
-
-def _joint_costs(plans):
-    """The joint problem of the models sharing a budget, from their plans: per
-    block of every model its candidates' ``(k x bytes, seconds)``, and the
-    capacity left by the bytes outside the blocks."""
-    blocks = [(p.in_flight, b) for p in plans for b in p.blocks]
-    costs = [[(k * w, t) for w, t in b.candidates.values()] for k, b in blocks]
-    outside = sum(p.in_flight * p.outside_bytes for p in plans)
-    chosen = [list(b.candidates).index(b.decision) for _, b in blocks]
-    return costs, outside, chosen
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
@@ -261,9 +263,7 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     ref, _ = _interleaved(ctx, None)
     _, probe = _interleaved(ctx, remat.MemoryBudget(bytes="1GiB"), steps=1)
     plans = [remat.budget.current_plan(m) for m in probe]
-    costs, outside, _ = _joint_costs(plans)
-    lo = outside + sum(min(w for w, _ in block) for block in costs)
-    hi = outside + sum(block[-1][0] for block in costs)
+    lo, hi = joint_bounds(plans)
     lo, hi = max(ctx.all_gather_object(lo)), max(ctx.all_gather_object(hi))
     assert lo < hi
     for frac in (0.3, 0.7):
@@ -274,12 +274,77 @@ def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
         _bitwise(runs, ref)
         plans = [remat.budget.current_plan(m) for m in mods]
         assert all(p is not None and p.shared_by == 2 for p in plans)
-        joint = sum(p.predicted_peak_bytes for p in plans)
-        assert all(p.rank_peak_bytes == joint <= budget for p in plans)
-        costs, outside, chosen = _joint_costs(plans)
-        best = brute_force(costs, budget - outside)
-        assert plan_cost(costs, chosen)[0] <= budget - outside
-        assert plan_cost(costs, chosen)[1] == plan_cost(costs, best)[1]
+        assert all(p.rank_peak_bytes <= min(budget, p.sum_bound_bytes) for p in plans)
+        assert sum(p.predicted_time_s for p in plans) == joint_optimum(plans, budget)
+
+
+def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
+    """A V-shaped schedule, 2 ranks x 2 stage modules: rank r holds stages r
+    and 3 - r (one block each), ``policy`` given to both (one object: one
+    budget for the rank); stage 0 embeds, stage 3 (on rank 0) ends in the
+    loss. Per step: the rank's peak of every byte saved, the losses, the
+    gradients."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as sch
+
+    pp = ctx.mesh.get_group()
+    mods, stages = [], []
+    for s in (ctx.rank, 3 - ctx.rank):
+        torch.manual_seed(0)
+        m = GPTStage(GPT(CONFIG), [s], first=s == 0, last=s == 3)
+        if policy is not None:
+            remat.apply_remat(m, blocks=Block, policy=policy)
+        mods.append(m)
+        stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
+    meter = StepPeak(*mods)
+    schedule = getattr(sch, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
+                                           loss_fn=_loss_fn)
+    out = []
+    for step in range(steps):
+        tokens, targets = make_batch(CONFIG, BATCH, seed=100 + step)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        meter.reset()
+        losses: list = []
+        with meter:
+            if ctx.rank == 0:
+                schedule.step(tokens, target=targets, losses=losses)
+            else:
+                schedule.step()
+        grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods)
+                 for n, p in m.named_parameters()}
+        out.append((meter.peak, losses, grads))
+    return out, mods
+
+
+@pytest.mark.parametrize("schedule_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=240)
+def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name):
+    """ZBVZeroBubble and DualPipeV (torch ships both), 2 ranks x 2 stage
+    modules in a V, one MemoryBudget object per rank shared by its two modules,
+    the schedule's loss_fn on rank 0: at two budgets between the rank's peak at
+    full recompute and without checkpoints, every step's peak of every byte
+    saved on every rank at or under the budget, losses and gradients bitwise
+    those without remat, the plan the brute-force optimum at the moments the
+    profiling step showed."""
+    ref, _ = _v_shaped(ctx, schedule_name, None, steps=3)
+    # a split backward's last weight half ends the step without a hook of the
+    # budget's: the plan is made at the next step's first forward
+    _, probe = _v_shaped(ctx, schedule_name, remat.MemoryBudget(bytes="1GiB"), steps=2)
+    plans = [remat.budget.current_plan(m) for m in probe]
+    lo, hi = joint_bounds(plans)
+    lo, hi = max(ctx.all_gather_object(lo)), max(ctx.all_gather_object(hi))
+    assert lo < hi
+    for frac in (0.3, 0.7):
+        budget = int(lo + frac * (hi - lo))
+        runs, mods = _v_shaped(ctx, schedule_name, remat.MemoryBudget(bytes=budget), steps=3)
+        for step, (peak, _, _) in enumerate(runs):
+            assert peak <= budget, (ctx.rank, frac, step, peak, budget)
+        _bitwise(runs, ref)
+        plans = [remat.budget.current_plan(m) for m in mods]
+        assert all(p is not None and p.shared_by == 2 for p in plans)
+        assert all(p.rank_peak_bytes <= budget for p in plans)
+        assert sum(p.predicted_time_s for p in plans) == joint_optimum(plans, budget)
 
 
 def _mesh_run(mesh, schedule_name, policy, dim, steps=2):

@@ -3,7 +3,7 @@ models on a rank.
 
 * On real gloo processes (2 pipeline stages, Schedule1F1B, ``measure_peak=True``):
   ``gather_saved_tensors_report()`` after each step shows every rank's peak over
-  that step, byte for byte what :class:`PeakSavedBytes` measured, at or under the
+  that step, byte for byte what ``StepPeak`` measured (the loss included), at or under the
   budget, the imbalance max/mean of those peaks, and each stage's plan as
   ``current_plan`` gives it.
 * In one process: the report's budget part aggregated from per-rank sections,
@@ -14,7 +14,6 @@ models on a rank.
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 
@@ -25,6 +24,8 @@ import torch.nn.functional as F
 import remat_dist as remat
 from remat_dist.report import BudgetReport, aggregate_summaries
 from remat_dist.testing import DistContext, PeakSavedBytes, distributed
+from tests.budget._joint_check import joint_optimum
+from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -36,12 +37,12 @@ from tests.distributed.test_pipeline import BATCH, CONFIG, MICRO_BATCHES, _loss_
 
 def _pipeline(policy, pp, stage: int, steps: int):
     """``steps`` 1F1B steps on this rank's stage of 2; after each, the cross-rank
-    report (a collective: both ranks call it) and this rank's PeakSavedBytes peak."""
+    report (a collective: both ranks call it) and this rank's peak of every byte saved (``StepPeak``)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy)
-    meter = PeakSavedBytes(module)
+    meter = StepPeak(module)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp)
     schedule = sch.Schedule1F1B(pipe, n_microbatches=MICRO_BATCHES, loss_fn=_loss_fn)
     peaks, reports = [], []
@@ -49,10 +50,11 @@ def _pipeline(policy, pp, stage: int, steps: int):
         tokens, targets = make_batch(CONFIG, BATCH, seed=100 + step)
         module.zero_grad(set_to_none=True)
         meter.reset()
-        if stage == 0:
-            schedule.step(tokens)
-        else:
-            schedule.step(target=targets, losses=[])
+        with meter:
+            if stage == 0:
+                schedule.step(tokens)
+            else:
+                schedule.step(target=targets, losses=[])
         peaks.append(meter.peak)
         reports.append(remat.gather_saved_tensors_report())
     return module, peaks, reports
@@ -62,7 +64,7 @@ def _pipeline(policy, pp, stage: int, steps: int):
 def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
     """1F1B, 2 stages, MemoryBudget(measure_peak=True) half-way between full
     recompute's peak and no checkpoint's: the report gathered after steps 1 and 2
-    gives each rank's peak of that step exactly as PeakSavedBytes measured it,
+    gives each rank's peak of that step exactly as StepPeak measured it (the loss included),
     at or under the budget; the imbalance is max/mean of those peaks; each rank
     shows its stage, its forwards in flight and its plan as current_plan has it."""
     pp, stage = ctx.mesh.get_group(), ctx.rank
@@ -100,10 +102,15 @@ def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
             (st,) = rank.stages
             assert st.decisions == decisions and st.in_flight == in_flight
             assert st.blocks == (f"layers.{2 * r}", f"layers.{2 * r + 1}")
+        # the loss's share: none on the first stage, the loss_fn's on the last
+        assert got.ranks[0].loss_bytes_at_peak == 0
+        assert 0 < got.ranks[1].loss_bytes_at_peak < got.ranks[1].peak_bytes
         text = report.format()
         assert "memory budget, peak per rank since the previous report: max" in text, text
         assert "the model of blocks 'layers.0'..'layers.1', 2 in flight:" in text, text
         assert "the model of blocks 'layers.2'..'layers.3', 1 in flight:" in text, text
+        rank1 = next(line for line in text.splitlines() if line.startswith("  rank 1: peak"))
+        assert "% of it)" in rank1 and "(loss " in rank1, text  # the loss's share
         back = remat.report.CrossRankReport.from_dict(json.loads(json.dumps(report.to_dict())))
         assert back == report
 
@@ -242,15 +249,18 @@ def _step_both(a, b, x):
 
 
 def _peak_bytes(a, b, x) -> int:
-    meter = PeakSavedBytes(a, b)
-    _step_both(a, b, x)
+    """The peak of every byte saved in one step of both (the loss included)."""
+    meter = StepPeak(a, b)
+    with meter:
+        _step_both(a, b, x)
     return meter.peak
 
 
 def test_shared_budget_plans_two_models_jointly():
     """One MemoryBudget object given to two models: both plan at the end of the
-    later profiling step, for one budget: the sum of their predicted peaks fits
-    it, the measured peak of both together does too, and the joint plan is the
+    later profiling step, for one budget: the rank's predicted peak (both
+    models' forwards alive at once, the loss after the second) fits it, the
+    measured peak of every byte saved does too, and the joint plan is the
     brute-force optimum over every candidate of every block of both models."""
     x = torch.randn(8, 16)
     lo = _peak_bytes(*_two_models("full"), x)
@@ -262,20 +272,13 @@ def test_shared_budget_plans_two_models_jointly():
         pa, pb = remat.budget.current_plan(a), remat.budget.current_plan(b)
         assert pa is not None and pb is not None
         assert pa.shared_by == pb.shared_by == 2
+        assert pa.concurrent == pb.concurrent == ((1, 1),)
         assert pa.rank_peak_bytes == pb.rank_peak_bytes == (
             pa.predicted_peak_bytes + pb.predicted_peak_bytes) <= budget
+        assert pb.loss_bytes > 0 and pa.loss_bytes == 0
         assert _peak_bytes(a, b, x) <= budget
-        blocks = [blk for p in (pa, pb) for blk in p.blocks]
-        ks = [p.in_flight for p in (pa, pb) for _ in p.blocks]
-        cap = budget - pa.in_flight * pa.outside_bytes - pb.in_flight * pb.outside_bytes
-        best = None
-        for choice in itertools.product(*(list(blk.candidates) for blk in blocks)):
-            w = sum(k * blk.candidates[c][0] for k, blk, c in zip(ks, blocks, choice))
-            t = sum(blk.candidates[c][1] for blk, c in zip(blocks, choice))
-            if w <= cap and (best is None or t < best):
-                best = t
-        chosen = sum(blk.time_s for blk in blocks)
-        assert chosen == best, (chosen, best)
+        chosen = pa.predicted_time_s + pb.predicted_time_s
+        assert chosen == joint_optimum([pa, pb], budget)
         assert set(pa.decisions().values()) | set(pb.decisions().values()) != {"none"}
 
 

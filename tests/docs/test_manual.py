@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
-BEING_REWRITTEN = {"memory_budget.md"}
+BEING_REWRITTEN: set[str] = set()
 """Pages other engineers are rewriting now; the checks skip them until they land.
 Empty this set when they do."""
 
