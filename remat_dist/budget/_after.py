@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from remat_dist._state import register_state
 from remat_dist._torch._autograd import (
     current_graph_task_id,
     pop_saved_tensors_hooks,
@@ -186,3 +187,15 @@ def close_window() -> None:
                 stale.remove(w)
                 removed = True
     del stale[:-8]  # pairs buried under the caller's stay pass-throughs
+
+
+class _Windows:
+    """This thread's window, as ``reset_process_state`` puts it back: closed (a
+    test, or a job that runs models in turn, starts with no counting pair on the
+    stack)."""
+
+    def reset(self) -> None:
+        close_window()
+
+
+register_state("budget.after_forward_window", _Windows())
