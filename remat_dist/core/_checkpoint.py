@@ -297,7 +297,7 @@ def _run_checkpoint(
         if user_hooks is not None:
             user_hooks.__exit__(None, None, None)
     if anchors:
-        _replay_first(anchors.pop().grad_fn, out)
+        _replay_first(anchors.pop(), out)
     _link_to_graph(record, out)
     if record.regions:
         note_forward(record, out, first_node, hooked)
@@ -330,12 +330,17 @@ def _replay_first(anchor: Any, out: Any) -> None:
     so the checkpoint's inputs) would otherwise live as long as the output nodes,
     after backward too, while the caller keeps the loss. A second backward through
     a graph kept with ``retain_graph=True`` therefore starts its replay at its
-    first unpack, as torch's checkpoint does."""
+    first unpack, as torch's checkpoint does.
+
+    The anchor tensor is held, not only its node: on torch 2.11 and 2.12 a custom
+    Function's node (and with it its saved tensors) lives only as long as its
+    output tensor; its Python object does not keep it alive."""
     held = [anchor]
 
     def prehook(grad_outputs: Any) -> None:
         if held:
-            held.pop().saved_tensors  # noqa: B018 - the unpack is the point
+            anchor = held.pop()  # alive across the unpack (torch 2.11, 2.12)
+            anchor.grad_fn.saved_tensors  # noqa: B018 - the unpack is the point
 
     nodes = {
         id(t.grad_fn): t.grad_fn
