@@ -2,11 +2,15 @@
 # The fast tier on every supported torch release: scripts/test_torch_matrix.sh
 #     [--only RELEASE]... [--setup-only] [PYTEST ARGS...]
 #
-# For each release below: a virtual environment of its own (made once, reused
-# when present) holding torch==RELEASE, pytest and pytest-xdist, plus, where the
-# line says "test", the test extra's other packages (numpy, ruff, transformers);
-# "plain" leaves them out, so a missing dependency of the package or the suite
-# cannot hide (tests needing an optional package skip). The checkout goes on
+# The releases are TESTED_TORCH in remat_dist/_torch/__init__.py (one entry per
+# minor release: a new torch release is one more entry there). For each: a
+# virtual environment of its own (made once, reused when present) holding
+# torch==RELEASE, pytest and pytest-xdist, plus the test extra's other packages
+# (numpy, ruff, transformers) -- except for the release constraints/cpu.txt pins
+# (the development release, which scripts/test.sh runs with the test extra): its
+# environment is "plain", the declared dependencies and the test runner only, so
+# a missing dependency of the package or of the suite cannot hide there (tests
+# needing an optional package skip). The checkout goes on
 # PYTHONPATH (no install of remat-dist); `pytest -m "not slow"` runs from the
 # repository root. One summary table at the end. Exit code: 0 when every release
 # passed; otherwise 1 (pytest's exit 5, no test ran, is a failure).
@@ -18,20 +22,32 @@
 #   MATRIX_WORKERS          pytest-xdist workers per release (default: 2)
 set -uo pipefail
 
-# One line per release: "VERSION KIND". KIND: "test" (with the test extra's
-# packages) or "plain" (torch + pytest + pytest-xdist only). A new torch release
-# is one more line; its pip resolution must give exactly VERSION.
-RELEASES=(
-    "2.11.0 test"
-    "2.12.1 test"
-    "2.13.0 plain"
-    "2.14.1 test"
-    "2.15.0 test"
-)
-
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 set +e
 cd "$ROOT"
+
+# "VERSION KIND" per release, KIND "plain" for the pinned one, else "test".
+_releases() {
+    "$(_find_python)" - "$ROOT" <<'EOF'
+import ast, re, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+tree = ast.parse((root / "remat_dist" / "_torch" / "__init__.py").read_text())
+tested = next(
+    ast.literal_eval(node.value)
+    for node in tree.body
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TESTED_TORCH"
+)
+pin = re.search(r"^torch==(\S+)", (root / "constraints" / "cpu.txt").read_text(), re.M)
+for version in tested:
+    print(version, "plain" if pin and pin.group(1) == version else "test")
+EOF
+}
+mapfile -t RELEASES < <(_releases)
+if [[ ${#RELEASES[@]} -eq 0 ]]; then
+    echo "error: no TESTED_TORCH in remat_dist/_torch/__init__.py" >&2
+    exit 1
+fi
 
 VENVS="${REMAT_DIST_TORCH_VENVS:-${XDG_CACHE_HOME:-$HOME/.cache}/remat_dist/torch-venvs}"
 WORKERS="${MATRIX_WORKERS:-2}"

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as _tc
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "live_holders",
     "register_metadata_fn",
     "replay_target",
+    "run_checkpoint",
 ]
 
 StopRecomputationError: type[BaseException] = _tc._StopRecomputationError
@@ -75,13 +79,9 @@ def _checkpoint_pack_code() -> tuple[Any, int]:
         ("_checkpoint_hook's pack hook over its frame", bool(found)),
     ):
         if not ok:
-            from remat_dist._torch import SUPPORTED_TORCH
+            from remat_dist._torch import unsupported_torch_message
 
-            raise ImportError(
-                f"remat_dist needs torch{SUPPORTED_TORCH}: the installed torch has no "
-                f"torch.utils.checkpoint.{piece}. Install a supported torch "
-                f"(pip install 'torch{SUPPORTED_TORCH}')."
-            )
+            raise ImportError(unsupported_torch_message(f"torch.utils.checkpoint.{piece}"))
     return pack.__code__, found[0]  # type: ignore[union-attr]
 
 
@@ -128,12 +128,10 @@ def _recompute_pack_code() -> tuple[Any, tuple[int, int]]:
         if not ok
     ]
     if missing:
-        from remat_dist._torch import SUPPORTED_TORCH
+        from remat_dist._torch import unsupported_torch_message
 
         raise ImportError(
-            f"remat_dist needs torch{SUPPORTED_TORCH}: the installed torch has no "
-            f"torch.utils.checkpoint.{missing[0]}. Install a supported torch "
-            f"(pip install 'torch{SUPPORTED_TORCH}')."
+            unsupported_torch_message(f"torch.utils.checkpoint.{missing[0]}")
         )
     return inner.__code__, (found[0][0], found[1][0])
 
@@ -171,3 +169,85 @@ def checkpoint_wrapper_types() -> tuple[type, ...]:
     except Exception:  # pragma: no cover - no torch.distributed
         return ()
     return (CheckpointWrapper,)
+
+
+def run_checkpoint(function: Callable[..., Any], *args: Any, **options: Any) -> Any:
+    """torch's non-reentrant checkpoint of ``function(*args)`` (``options``: its
+    keyword options, ``context_fn`` among them) whose forward context and
+    saved-tensor hooks are exited when ``function`` raises, with its exception.
+
+    torch 2.13 and newer do this themselves. torch 2.11 and 2.12 leave them
+    entered until the exception's traceback dies (its hooks stay pushed, the
+    context's ``__exit__`` runs later, at an arbitrary point): there the same
+    steps run here, on torch's own generator."""
+    if _CHECKPOINT_EXITS_ON_ERROR:
+        return _tc.checkpoint(function, *args, use_reentrant=False, **options)
+    return _checkpoint_exiting_on_error(function, *args, **options)
+
+
+@torch.compiler.disable
+def _checkpoint_exiting_on_error(
+    function: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], Any] = _tc.noop_context_fn,
+    determinism_check: str = _tc._DEFAULT_DETERMINISM_MODE,
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """torch 2.11/2.12's non-reentrant ``checkpoint``, with 2.13's exit on error."""
+    gen = _tc._checkpoint_without_reentrant_generator(
+        function, preserve_rng_state, context_fn, determinism_check, debug,
+        early_stop, *args, **kwargs,
+    )
+    next(gen)
+    try:
+        ret = function(*args, **kwargs)
+    except BaseException as e:
+        try:
+            gen.throw(e)
+        except StopIteration:
+            raise RuntimeError(
+                "the checkpoint's forward context suppressed an exception of its "
+                "forward: a failed forward has no value to return"
+            ) from e
+        raise
+    try:
+        next(gen)
+    except StopIteration:
+        return ret
+    raise RuntimeError("torch's checkpoint generator yielded more than twice")
+
+
+def _checkpoint_exits_on_error() -> bool:
+    """Whether torch's checkpoint exits its forward context when the forward raises
+    (torch 2.13 and newer), found by checkpointing a function that raises."""
+    exited: list[bool] = []
+
+    class Probe(Exception):
+        pass
+
+    class Context(contextlib.AbstractContextManager):
+        def __exit__(self, *exc: Any) -> None:
+            exited.append(True)
+
+    def fail(x: Any) -> Any:
+        raise Probe
+
+    try:
+        _tc.checkpoint(
+            fail,
+            torch.zeros(1, requires_grad=True),
+            use_reentrant=False,
+            preserve_rng_state=False,
+            context_fn=lambda: (Context(), contextlib.nullcontext()),
+        )
+    except Probe:
+        found = bool(exited)
+    if not found:
+        gc.collect()  # the generator left behind exits its contexts as it dies
+    return found
+
+
+_CHECKPOINT_EXITS_ON_ERROR = _checkpoint_exits_on_error()

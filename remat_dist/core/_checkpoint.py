@@ -27,11 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist._torch._checkpoint import StopRecomputationError, run_checkpoint
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
@@ -275,10 +274,9 @@ def _run_checkpoint(
     token = inputs_of_var.set(name)
     first_node = _autograd.sequence_counter()
     try:
-        out = torch_checkpoint.checkpoint(
+        out = run_checkpoint(
             body,
             *args,
-            use_reentrant=False,
             preserve_rng_state=False,
             # torch notes each saved tensor's metadata for remat_dist, which
             # checks the replay itself (_replay_check, _fingerprint)
