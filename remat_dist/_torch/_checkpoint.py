@@ -15,6 +15,7 @@ import torch.utils.checkpoint as _tc
 __all__ = [
     "METADATA_MODE",
     "METADATA_MODE_PLAIN",
+    "EXTRA_INPUT_SAVES",
     "CheckpointFrame",
     "Holder",
     "StopRecomputationError",
@@ -35,6 +36,13 @@ Holder: Any = _tc._Holder
 
 CheckpointFrame: Any = _tc._CheckpointFrame
 """What torch's non-reentrant checkpoint keeps per call (recompute fn, inputs)."""
+
+EXTRA_INPUT_SAVES: int = 0 if hasattr(_tc._CheckpointFrame, "save_inputs") else 1
+"""How many tensors torch's checkpoint saves besides its inputs when its forward
+starts: 1 on torch 2.11 and 2.12, which save the inputs through an autograd
+Function together with an empty tensor (saved-tensor hooks see its pack and, to
+start the replay, its unpack: 0 bytes); 0 from torch 2.13 on, which saves the
+inputs directly (``_CheckpointFrame.save_inputs``)."""
 
 
 METADATA_MODE = "remat_dist"
