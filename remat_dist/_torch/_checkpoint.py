@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "register_metadata_fn",
     "replay_target",
     "run_checkpoint",
+    "selective_checkpoint_contexts",
 ]
 
 StopRecomputationError: type[BaseException] = _tc._StopRecomputationError
@@ -259,3 +261,52 @@ def _checkpoint_exits_on_error() -> bool:
 
 
 _CHECKPOINT_EXITS_ON_ERROR = _checkpoint_exits_on_error()
+
+
+def selective_checkpoint_contexts(policy: Callable[..., Any]) -> tuple[Any, Any]:
+    """torch's ``create_selective_checkpoint_contexts(policy)``, whose recompute
+    reuses what the forward saved, op by op, without asking ``policy`` again.
+
+    torch 2.13 and newer do this themselves. torch 2.11 and 2.12 ask the policy
+    again during the recompute (``ctx.is_recompute``) and take a saved output for
+    each op it answers "save" to: there the recompute is answered here with the
+    forward's answers, per op in the forward's order, so a policy that can only
+    decide while its forward runs (it reads the graph's node metadata) works."""
+    if not _SAC_ASKS_ON_RECOMPUTE:
+        return _tc.create_selective_checkpoint_contexts(policy)
+    answers: defaultdict[Any, deque[Any]] = defaultdict(deque)
+
+    def forward_answers(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if ctx.is_recompute:
+            given = answers[op]
+            return given.popleft() if given else _tc.CheckpointPolicy.MUST_RECOMPUTE
+        answer = policy(ctx, op, *args, **kwargs)
+        answers[op].append(answer)
+        return answer
+
+    return _tc.create_selective_checkpoint_contexts(forward_answers)
+
+
+def _sac_asks_on_recompute() -> bool:
+    """Whether torch's selective checkpoint calls its policy during the recompute
+    (torch 2.11, 2.12), found by one tiny checkpointed forward and backward."""
+    asked: list[bool] = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(bool(getattr(ctx, "is_recompute", False)))
+        return _tc.CheckpointPolicy.MUST_RECOMPUTE
+
+    x = torch.ones(1, requires_grad=True)
+    with torch.enable_grad():
+        out = _tc.checkpoint(
+            lambda t: t.sin().sin(),
+            x,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            context_fn=lambda: _tc.create_selective_checkpoint_contexts(policy),
+        )
+        out.backward()
+    return any(asked)
+
+
+_SAC_ASKS_ON_RECOMPUTE = _sac_asks_on_recompute()
