@@ -26,6 +26,8 @@ __all__ = [
     "live_holders",
     "register_metadata_fn",
     "replay_target",
+    "CHECKPOINT_EXITS_ON_ERROR",
+    "exit_left_checkpoints",
     "run_checkpoint",
     "selective_checkpoint_contexts",
 ]
@@ -260,7 +262,38 @@ def _checkpoint_exits_on_error() -> bool:
     return found
 
 
-_CHECKPOINT_EXITS_ON_ERROR = _checkpoint_exits_on_error()
+CHECKPOINT_EXITS_ON_ERROR = _checkpoint_exits_on_error()
+"""Whether torch's checkpoint exits its contexts when its forward raises (torch
+2.13 and newer); see :func:`run_checkpoint` and :func:`exit_left_checkpoints`."""
+_CHECKPOINT_EXITS_ON_ERROR = CHECKPOINT_EXITS_ON_ERROR
+
+
+def exit_left_checkpoints(error: BaseException) -> None:
+    """Exit the contexts of each torch checkpoint that ``error``, raised through
+    it, left entered (torch 2.11, 2.12; nothing to do on newer torch): where
+    :func:`run_checkpoint` cannot stand in for torch's checkpoint (a traced call
+    Dynamo must see as torch's own, resumed eagerly after a graph break)."""
+    if CHECKPOINT_EXITS_ON_ERROR:
+        return
+    left = []
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is _CHECKPOINT_CODE:
+            gen = frame.f_locals.get("gen")
+            if getattr(gen, "gi_frame", None) is not None:
+                left.append(gen)
+        tb = tb.tb_next
+    for gen in reversed(left):  # innermost first
+        try:
+            gen.throw(error)
+        except BaseException:  # noqa: S110 - the error goes on as it was
+            pass
+
+
+_CHECKPOINT_CODE = getattr(
+    getattr(_tc.checkpoint, "__wrapped__", _tc.checkpoint), "__code__", None
+)
 
 
 def selective_checkpoint_contexts(policy: Callable[..., Any]) -> tuple[Any, Any]:

@@ -69,7 +69,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat_dist._errors import RematUsageError
-from remat_dist._torch._checkpoint import selective_checkpoint_contexts
+from remat_dist._torch._checkpoint import (
+    CHECKPOINT_EXITS_ON_ERROR,
+    exit_left_checkpoints,
+    selective_checkpoint_contexts,
+)
 from remat_dist._torch._dynamo import assume_constant_result
 from remat_dist.core import _record
 from remat_dist.core._compile_runtime import (
@@ -324,9 +328,17 @@ def run_checkpoint(
         with fx_traceback.annotate({_CHECKPOINT: name, ANNOTATION: "recompute"}):
             return call(*a)
 
-    return torch_checkpoint.checkpoint(
-        body, *args, use_reentrant=False, context_fn=_sac_contexts
-    )
+    if CHECKPOINT_EXITS_ON_ERROR:
+        return torch_checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=_sac_contexts
+        )
+    try:
+        return torch_checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=_sac_contexts
+        )
+    except BaseException as error:  # run for real after a graph break: exit it
+        exit_left_checkpoints(error)
+        raise
 
 
 def _fallback_body(
