@@ -38,6 +38,7 @@ __all__ = [
     "REQUIRED",
     "SUPPORTED_TORCH",
     "TESTED_TORCH",
+    "TORCH_RELEASE",
     "check_torch",
     "missing_pieces",
     "unsupported_torch_message",
@@ -53,6 +54,15 @@ TESTED_TORCH = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 (``scripts/test_torch_matrix.sh`` reads them here): a new release is one more
 entry. The differences between them are handled in this package, each where its
 concern lives, naming the releases it serves (``docs/torch_versions.md``)."""
+
+
+TORCH_RELEASE: tuple[int, int] = tuple(  # type: ignore[assignment]
+    int("".join(c for c in part if c.isdigit()) or 0)
+    for part in torch.__version__.split("+")[0].split(".")[:2]
+)
+"""The installed torch's ``(major, minor)``: for what only a release number tells
+(a test's expectation of torch's own behaviour); the seam's modules detect what
+torch has instead."""
 
 
 def tested_range() -> str:
