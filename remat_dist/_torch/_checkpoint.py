@@ -28,6 +28,7 @@ __all__ = [
     "replay_target",
     "CHECKPOINT_EXITS_ON_ERROR",
     "exit_left_checkpoints",
+    "frame_saved_inputs",
     "run_checkpoint",
     "selective_checkpoint_contexts",
 ]
@@ -343,3 +344,28 @@ def _sac_asks_on_recompute() -> bool:
 
 
 _SAC_ASKS_ON_RECOMPUTE = _sac_asks_on_recompute()
+
+
+def frame_saved_inputs(frame: Any) -> list[tuple[int, Any]]:
+    """``(argument index, SavedTensor)`` for each tensor input torch's checkpoint
+    frame keeps for its replay (``SavedTensor.data``: what the pack hooks made of
+    it, read without unpacking).
+
+    torch 2.13 and newer keep them on the frame (``saved_args``); torch 2.11 and
+    2.12 save them on an autograd Function's node (``frame.input_saver``), after
+    an empty tensor and the keyword arguments, which are left out here."""
+    saved_args = getattr(frame, "saved_args", None)
+    if saved_args is not None:
+        return [(i, a) for i, a in enumerate(saved_args) if hasattr(a, "register_hooks")]
+    node = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    get_args = getattr(node, "get_args", None)
+    if get_args is None:
+        return []
+    try:
+        raw = node._raw_saved_tensors
+    except RuntimeError:  # freed by a backward
+        return []
+    cells = dict(zip(get_args.__code__.co_freevars, get_args.__closure__ or ()))
+    tensor_indices = cells["tensor_indices"].cell_contents
+    # the node's inputs: (empty tensor, kwargs, *args)
+    return [(index - 2, raw[k]) for k, index in enumerate(tensor_indices) if index >= 2]
