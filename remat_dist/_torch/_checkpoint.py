@@ -29,6 +29,7 @@ __all__ = [
     "CHECKPOINT_EXITS_ON_ERROR",
     "exit_left_checkpoints",
     "frame_saved_inputs",
+    "is_input_padding",
     "run_checkpoint",
     "selective_checkpoint_contexts",
 ]
@@ -48,6 +49,13 @@ starts: 1 on torch 2.11 and 2.12, which save the inputs through an autograd
 Function together with an empty tensor (saved-tensor hooks see its pack and, to
 start the replay, its unpack: 0 bytes); 0 from torch 2.13 on, which saves the
 inputs directly (``_CheckpointFrame.save_inputs``)."""
+
+
+def is_input_padding(t: Any) -> bool:
+    """Whether ``t``, packed while torch's checkpoint saves its inputs, is the empty
+    tensor torch 2.11 and 2.12 save with them (an empty leaf that requires grad;
+    never on newer torch). Not a user's tensor: user hooks need not see it."""
+    return bool(EXTRA_INPUT_SAVES) and t.numel() == 0 and t.is_leaf and t.requires_grad
 
 
 METADATA_MODE = "remat_dist"
