@@ -173,8 +173,14 @@ def _tp_model(mesh):
 
 @pytest.mark.skipif(
     TORCH_RELEASE < (2, 12),
-    reason="DTensor outputs through the GPT attention's head reshape need torch 2.12 "
-    "(2.11: 'Attempted to flatten multiple dimensions, with dimension 1 being sharded')",
+    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
+    "to flatten multiple dimensions, with dimension 1 being sharded')",
+)
+@pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
+    "collectives (its functional all-gathers and reduce-scatters are not caught)",
+    strict=True,
 )
 @distributed(world_size=2)
 def test_dtensor_tensor_parallel_recorded(ctx):
@@ -565,8 +571,14 @@ def test_serve_fsdp2_forward_and_backward(ctx):
 
 @pytest.mark.skipif(
     TORCH_RELEASE < (2, 12),
-    reason="DTensor outputs through the GPT attention's head reshape need torch 2.12 "
-    "(2.11: 'Attempted to flatten multiple dimensions, with dimension 1 being sharded')",
+    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
+    "to flatten multiple dimensions, with dimension 1 being sharded')",
+)
+@pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
+    "collectives (its functional all-gathers and reduce-scatters are not caught)",
+    strict=True,
 )
 @distributed(world_size=2)
 def test_serve_tensor_parallel_forward_and_backward(ctx):
