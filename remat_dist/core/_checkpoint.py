@@ -341,9 +341,9 @@ def _replay_first(anchor: Any, out: Any) -> None:
             anchor.grad_fn.saved_tensors  # noqa: B018 - the unpack is the point
 
     nodes = {
-        id(t.grad_fn): t.grad_fn
+        id(node): node
         for t in tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        if isinstance(t, torch.Tensor) and (node := t.grad_fn) is not None
     }
     for node in nodes.values():
         node.register_prehook(prehook)
