@@ -11,7 +11,9 @@
 # python3 on PATH if its torch sees CUDA; else .venv as it is (set up the way
 # scripts/test.sh does only when it is missing).
 # The checkout goes on PYTHONPATH, so an interpreter without the project installed
-# works. Exit code: pytest's; 3 when CUDA is not available (every check would skip).
+# works (torch 2.11 or newer: the GPU machines' own torch 2.11 with CUDA needs
+# nothing downloaded). Exit code: pytest's; 1 when remat_dist does not import with
+# that torch; 3 when CUDA is not available (every check would skip).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 cd "$ROOT"
@@ -36,6 +38,14 @@ echo "=== remat_dist GPU check ==="
 import sys, torch
 print(f"python {sys.version.split()[0]} ({sys.executable}), torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}")
+try:
+    import remat_dist
+    from remat_dist._torch import SUPPORTED_TORCH, tested_range
+except ImportError as e:
+    print(f"remat_dist does not import with this torch: {e}")
+    sys.exit(1)
+print(f"remat_dist {remat_dist.__version__} (torch{SUPPORTED_TORCH}, tested on "
+      f"{tested_range()}) imports")
 if not torch.cuda.is_available():
     print("CUDA is not available: every gpu check would be skipped")
     sys.exit(3)

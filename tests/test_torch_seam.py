@@ -221,3 +221,14 @@ def test_pyproject_claims_the_supported_range():
 
     toml = (ROOT / "pyproject.toml").read_text()
     assert f'"torch{SUPPORTED_TORCH}"' in toml
+
+
+def test_docs_and_ci_name_every_tested_release():
+    from remat_dist._torch import SUPPORTED_TORCH, TESTED_TORCH
+
+    page = (ROOT / "docs" / "torch_versions.md").read_text()
+    assert f"torch{SUPPORTED_TORCH}" in page
+    assert [v for v in TESTED_TORCH if v not in page] == []
+    # the matrix reads its releases from TESTED_TORCH; CI runs it
+    assert "TESTED_TORCH" in (ROOT / "scripts" / "test_torch_matrix.sh").read_text()
+    assert "scripts/test_torch_matrix.sh" in (ROOT / ".ci" / "run").read_text()

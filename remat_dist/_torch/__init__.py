@@ -34,10 +34,50 @@ from typing import Any
 
 import torch
 
-__all__ = ["REQUIRED", "SUPPORTED_TORCH", "check_torch", "missing_pieces"]
+__all__ = [
+    "REQUIRED",
+    "SUPPORTED_TORCH",
+    "TESTED_TORCH",
+    "TORCH_RELEASE",
+    "check_torch",
+    "missing_pieces",
+    "unsupported_torch_message",
+]
 
-SUPPORTED_TORCH = ">=2.13,<2.14"
-"""The torch versions remat_dist is tested with (``pyproject.toml`` says the same)."""
+SUPPORTED_TORCH = ">=2.11"
+"""The torch versions remat_dist supports (``pyproject.toml`` declares the same): no
+upper bound, so installing remat_dist never changes a user's torch; a newer torch
+lacking a private piece fails the check at import, naming it."""
+
+TESTED_TORCH = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
+"""The torch releases CI runs the suite on, one per minor release
+(``scripts/test_torch_matrix.sh`` reads them here): a new release is one more
+entry. The differences between them are handled in this package, each where its
+concern lives, naming the releases it serves (``docs/torch_versions.md``)."""
+
+
+TORCH_RELEASE: tuple[int, int] = tuple(  # type: ignore[assignment]
+    int("".join(c for c in part if c.isdigit()) or 0)
+    for part in torch.__version__.split("+")[0].split(".")[:2]
+)
+"""The installed torch's ``(major, minor)``: for what only a release number tells
+(a test's expectation of torch's own behaviour); the seam's modules detect what
+torch has instead."""
+
+
+def tested_range() -> str:
+    """``"2.11 to 2.15"``: the minor releases of :data:`TESTED_TORCH`."""
+    minors = [".".join(v.split(".")[:2]) for v in TESTED_TORCH]
+    return f"{minors[0]} to {minors[-1]}"
+
+
+def unsupported_torch_message(piece: str) -> str:
+    """The error for an installed torch that lacks ``piece`` (a dotted path)."""
+    return (
+        f"remat_dist supports torch{SUPPORTED_TORCH} (tested on {tested_range()}): "
+        f"the installed torch {torch.__version__} has no {piece}. Install a tested "
+        f"torch (pip install 'torch=={TESTED_TORCH[-1]}')."
+    )
 
 _CORE = (
     # _autograd
@@ -62,6 +102,8 @@ _CORE = (
     "torch.utils.checkpoint._checkpoint_hook",
     "torch.utils.checkpoint._recomputation_hook",
     "torch.utils.checkpoint._allowed_determinism_checks_to_fns",
+    "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
+    "torch.utils.checkpoint._DEFAULT_DETERMINISM_MODE",
     # _dispatch
     "torch._C._parse_dispatch_key",
     "torch._C._dispatch_has_backend_fallback",
@@ -165,12 +207,8 @@ def check_torch() -> None:
     remat_dist relies upon, naming it and the supported torch versions."""
     missing = missing_pieces()
     if missing:
-        raise ImportError(
-            f"remat_dist needs torch{SUPPORTED_TORCH}: the installed torch "
-            f"{torch.__version__} has no {missing[0]}"
-            + (f" (nor {', '.join(missing[1:])})" if len(missing) > 1 else "")
-            + f". Install a supported torch (pip install 'torch{SUPPORTED_TORCH}')."
-        )
+        more = f" (nor {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ImportError(unsupported_torch_message(missing[0] + more))
 
 
 check_torch()

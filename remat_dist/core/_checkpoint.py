@@ -27,11 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import StopRecomputationError
+from remat_dist._torch._checkpoint import StopRecomputationError, run_checkpoint
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _compile, _fingerprint, _record, _replay_check, _standin
 from remat_dist.core._hooks import (
@@ -305,10 +304,9 @@ def _run_checkpoint(
     token = inputs_of_var.set(name)
     first_node = _autograd.sequence_counter()
     try:
-        out = torch_checkpoint.checkpoint(
+        out = run_checkpoint(
             body,
             *args,
-            use_reentrant=False,
             preserve_rng_state=False,
             # torch notes each saved tensor's metadata for remat_dist, which
             # checks the replay itself (_replay_check, _fingerprint)
@@ -327,7 +325,7 @@ def _run_checkpoint(
         if user_hooks is not None:
             user_hooks.__exit__(None, None, None)
     if anchors:
-        _replay_first(anchors.pop().grad_fn, out)
+        _replay_first(anchors.pop(), out)
     _link_to_graph(record, out)
     if record.regions:
         note_forward(record, out, first_node, hooked)
@@ -360,17 +358,22 @@ def _replay_first(anchor: Any, out: Any) -> None:
     so the checkpoint's inputs) would otherwise live as long as the output nodes,
     after backward too, while the caller keeps the loss. A second backward through
     a graph kept with ``retain_graph=True`` therefore starts its replay at its
-    first unpack, as torch's checkpoint does."""
+    first unpack, as torch's checkpoint does.
+
+    The anchor tensor is held, not only its node: on torch 2.11 and 2.12 a custom
+    Function's node (and with it its saved tensors) lives only as long as its
+    output tensor; its Python object does not keep it alive."""
     held = [anchor]
 
     def prehook(grad_outputs: Any) -> None:
         if held:
-            held.pop().saved_tensors  # noqa: B018 - the unpack is the point
+            anchor = held.pop()  # alive across the unpack (torch 2.11, 2.12)
+            anchor.grad_fn.saved_tensors  # noqa: B018 - the unpack is the point
 
     nodes = {
-        id(t.grad_fn): t.grad_fn
+        id(node): node
         for t in tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        if isinstance(t, torch.Tensor) and (node := t.grad_fn) is not None
     }
     for node in nodes.values():
         node.register_prehook(prehook)

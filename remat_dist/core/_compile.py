@@ -69,6 +69,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch._checkpoint import (
+    CHECKPOINT_EXITS_ON_ERROR,
+    exit_left_checkpoints,
+    selective_checkpoint_contexts,
+)
 from remat_dist._torch._dynamo import assume_constant_result
 from remat_dist.core import _record
 from remat_dist.core._compile_runtime import (
@@ -256,7 +261,7 @@ def _sac_contexts() -> tuple[Any, Any]:
     ``preserve_rng_state=False``), and mark the recompute for ``is_recomputing()``,
     since the body's Python runs again after a graph break.
     """
-    forward, recompute = torch_checkpoint.create_selective_checkpoint_contexts(_policy)
+    forward, recompute = selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
     states = RuntimeStates(_record._SEAMS.hooks_provider())
@@ -323,9 +328,17 @@ def run_checkpoint(
         with fx_traceback.annotate({_CHECKPOINT: name, ANNOTATION: "recompute"}):
             return call(*a)
 
-    return torch_checkpoint.checkpoint(
-        body, *args, use_reentrant=False, context_fn=_sac_contexts
-    )
+    if CHECKPOINT_EXITS_ON_ERROR:
+        return torch_checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=_sac_contexts
+        )
+    try:
+        return torch_checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=_sac_contexts
+        )
+    except BaseException as error:  # run for real after a graph break: exit it
+        exit_left_checkpoints(error)
+        raise
 
 
 def _fallback_body(

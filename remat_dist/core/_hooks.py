@@ -19,6 +19,7 @@ import torch
 
 from remat_dist._errors import RematUsageError
 from remat_dist._torch import _autograd
+from remat_dist._torch._checkpoint import is_input_padding
 from remat_dist.core._record import _SEAMS
 from remat_dist.core._state import frame_var, hooks_var
 from remat_dist.core._storage import storage_key
@@ -217,11 +218,15 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
             _info_var.reset(token)
 
     def unpack_with(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _Padding:
+            return packed.tensor
         return self.unpack(packed)
 
     def _pack_outer(self, t: torch.Tensor) -> Any:
         ckpt = inputs_of_var.get()
         if ckpt is not None:
+            if is_input_padding(t):  # torch 2.11/2.12's, not the user's
+                return _Padding(t)
             info = SavedTensorInfo(SavedTensorKind.CHECKPOINT_INPUT, checkpoint=ckpt)
         else:
             info = SavedTensorInfo(SavedTensorKind.BACKWARD, name=saved_name(t))
@@ -250,6 +255,16 @@ class saved_tensors_hooks:  # noqa: N801 - mirrors torch's context manager name
         if torch_hooks is not None:
             torch_hooks.__exit__(*exc)
         hooks_var.reset(token)
+
+
+class _Padding:
+    """The empty tensor torch 2.11 and 2.12's checkpoint saves with its inputs,
+    kept as it is: user hooks see the same tensors on every torch release."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 def for_user_hook(t: torch.Tensor) -> torch.Tensor:

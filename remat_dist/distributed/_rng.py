@@ -67,6 +67,9 @@ class PhiloxState(NamedTuple):
 _philox_exact: weakref.WeakKeyDictionary[torch.Generator, bool] = (
     weakref.WeakKeyDictionary()
 )
+# The same for generators that take no weak reference (torch 2.11, 2.12): by id,
+# holding the generator so that its id is not reused.
+_philox_exact_by_id: dict[int, tuple[torch.Generator, bool]] = {}
 
 
 def _is_philox(gen: torch.Generator) -> bool:
@@ -76,22 +79,28 @@ def _is_philox(gen: torch.Generator) -> bool:
     ``set_offset`` and the result compared with ``get_state()``. The CPU generator
     (MT19937, which also caches normal samples) has no offset and never qualifies.
     """
-    known = _philox_exact.get(gen)
+    if gen.device.type == "cpu":
+        return False
+    try:
+        known = _philox_exact.get(gen)
+    except TypeError:
+        known = _philox_exact_by_id.get(id(gen), (None, None))[1]
     if known is not None:
         return known
-    exact = False
-    if gen.device.type != "cpu":
-        full = gen.get_state()
-        try:
-            seed, offset = gen.initial_seed(), gen.get_offset()
-            gen.manual_seed(seed)
-            gen.set_offset(offset)
-            exact = torch.equal(gen.get_state(), full)
-        except (RuntimeError, NotImplementedError):
-            exact = False
-        if not exact:
-            gen.set_state(full)
-    _philox_exact[gen] = exact
+    full = gen.get_state()
+    try:
+        seed, offset = gen.initial_seed(), gen.get_offset()
+        gen.manual_seed(seed)
+        gen.set_offset(offset)
+        exact = torch.equal(gen.get_state(), full)
+    except (RuntimeError, NotImplementedError):
+        exact = False
+    if not exact:
+        gen.set_state(full)
+    try:
+        _philox_exact[gen] = exact
+    except TypeError:
+        _philox_exact_by_id[id(gen)] = (gen, exact)
     return exact
 
 

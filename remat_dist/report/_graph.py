@@ -11,7 +11,7 @@ The walk reads each node's saved tensors through ``node._raw_saved_<name>`` and
 
 ``torch.utils.checkpoint`` (non-reentrant, also under ``checkpoint_wrapper``) packs
 every save of its forward into a ``_Holder`` (a recompute handle: nothing kept) and
-keeps its inputs on its ``_CheckpointFrame`` (``saved_args``), which only the unpack
+keeps its inputs on its ``_CheckpointFrame`` (``frame_saved_inputs``), which only the unpack
 hook of those saves refers to. The walk finds each frame through
 ``SavedTensor.unpack_hook`` of a holder and reports it as a
 :class:`TorchCheckpointFrame`: what torch keeps for backward are its inputs.
@@ -27,7 +27,7 @@ import torch
 
 from remat_dist._state import register_state
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import CheckpointFrame, Holder
+from remat_dist._torch._checkpoint import CheckpointFrame, Holder, frame_saved_inputs
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist._torch._tensor import TorchDispatchMode, is_traceable_wrapper_subclass
 from remat_dist.core import (
@@ -171,7 +171,7 @@ class TorchCheckpointFrame:
         keeps of its tensor inputs. Inputs packed by an enclosing checkpoint into a
         recompute stand-in (torch's holder, a scope handle) cost nothing here."""
         out: list[tuple[int, torch.Tensor, bool]] = []
-        for i, arg in enumerate(getattr(self.frame, "saved_args", ())):
+        for i, arg in frame_saved_inputs(self.frame):
             try:
                 data = arg.data
             except (RuntimeError, AttributeError):

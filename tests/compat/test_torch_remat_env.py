@@ -39,8 +39,11 @@ def python(tmp_path_factory) -> str:
         check=True,
     ).stdout.strip()
     ours = sysconfig.get_paths()["purelib"]
-    # "a_" sorts before the shipped file, as site-packages' own .pth files would
-    Path(site, "a_this_env.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    # "a_" sorts before the shipped file, as site-packages' own .pth files would;
+    # the checkout comes last, for a run of the suite without remat-dist installed
+    Path(site, "a_this_env.pth").write_text(
+        f"import site, sys; site.addsitedir({ours!r}); sys.path.append({str(REPO)!r})\n"
+    )
     shipped = (REPO / _torch_remat_env.PTH_NAME).read_text()
     Path(site, _torch_remat_env.PTH_NAME).write_text(shipped)
     return str(exe)

@@ -97,7 +97,7 @@ def test_the_classifier_finds_what_a_save_region_keeps():
             if name.startswith("_raw_saved_"):
                 raw = getattr(node, name)
                 for item in raw if isinstance(raw, tuple) else (raw,):
-                    packed = getattr(item, "data", None) if hasattr(item, "unpack") else None
+                    packed = getattr(item, "data", None) if hasattr(item, "register_hooks") else None
                     hit = classify_packed(packed) if packed is not None else None
                     if hit is not None:
                         kinds.append(hit[0])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from remat_dist._torch import TORCH_RELEASE
 from remat_dist.distributed._collectives import (
     CollectiveLedger,
     RecordCollectives,
@@ -170,6 +171,17 @@ def _tp_model(mesh):
     )
 
 
+@pytest.mark.skipif(
+    TORCH_RELEASE < (2, 12),
+    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
+    "to flatten multiple dimensions, with dimension 1 being sharded')",
+)
+@pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
+    "collectives (its functional all-gathers and reduce-scatters are not caught)",
+    strict=True,
+)
 @distributed(world_size=2)
 def test_dtensor_tensor_parallel_recorded(ctx):
     from torch.distributed.device_mesh import init_device_mesh
@@ -557,6 +569,17 @@ def test_serve_fsdp2_forward_and_backward(ctx):
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
 
 
+@pytest.mark.skipif(
+    TORCH_RELEASE < (2, 12),
+    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
+    "to flatten multiple dimensions, with dimension 1 being sharded')",
+)
+@pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
+    "collectives (its functional all-gathers and reduce-scatters are not caught)",
+    strict=True,
+)
 @distributed(world_size=2)
 def test_serve_tensor_parallel_forward_and_backward(ctx):
     from torch.distributed.device_mesh import init_device_mesh

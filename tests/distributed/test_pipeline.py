@@ -16,11 +16,14 @@ outlive all of them (``replay_frees_graph`` in ``core/_save_region.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import remat_dist as remat
+from remat_dist._torch import TORCH_RELEASE
 from remat_dist.distributed import step_stats
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
@@ -212,8 +215,21 @@ def test_pp_x_fsdp2_bitwise_without_rounds(ctx: DistContext):
     assert after.operations == before.operations
 
 
+V_SCHEDULES_NEED = (2, 12)
+"""On torch 2.11 the V schedules' runs here fail in gloo ("Pair is not
+connected") on the rank holding two adjacent stages (stages 1 and 2, rank 1);
+torch 2.12 and newer run them."""
+
+
+def _schedule_param(name: str) -> Any:
+    if name in V_SCHEDULES and TORCH_RELEASE < V_SCHEDULES_NEED:
+        reason = f"{name} on 2 ranks needs torch 2.12 (on 2.11 gloo fails: Pair is not connected)"
+        return pytest.param(name, marks=pytest.mark.skip(reason=reason))
+    return name
+
+
 @pytest.mark.parametrize("policy", [SAVE_MLP, "full"], ids=["save_mlp", "full"])
-@pytest.mark.parametrize("schedule_name", ZERO_BUBBLE)
+@pytest.mark.parametrize("schedule_name", [_schedule_param(n) for n in ZERO_BUBBLE])
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",))
 def test_zero_bubble_bitwise(ctx: DistContext, schedule_name, policy):
     before, after = _assert_bitwise(

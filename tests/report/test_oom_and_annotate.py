@@ -37,9 +37,11 @@ def test_discover_autograd_roots_finds_graph_heads_only():
     loss_a = mid.sin().sum()
     loss_b = (x * 3).cos().sum()
     roots = discover_autograd_roots()
-    fns = {id(t.grad_fn) for t in roots}
-    assert id(loss_a.grad_fn) in fns and id(loss_b.grad_fn) in fns
-    assert id(mid.grad_fn) not in fns  # an input of loss_a's graph
+    # the nodes themselves, held: on torch 2.11 and 2.12 a node's Python object
+    # lives only while referenced, so the id of a dropped one means nothing
+    fns = [t.grad_fn for t in roots]
+    assert any(f is loss_a.grad_fn for f in fns) and any(f is loss_b.grad_fn for f in fns)
+    assert not any(f is mid.grad_fn for f in fns)  # an input of loss_a's graph
     # the report over the discovered roots covers both graphs
     assert (
         build_saved_tensors_report(*roots).total_bytes
