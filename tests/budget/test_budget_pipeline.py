@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import remat_dist as remat
+from remat_dist._torch import TORCH_RELEASE
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
 from remat_dist.testing import DistContext, distributed
@@ -40,6 +41,21 @@ from tests.distributed.test_pipeline import (  # noqa: E402
 IN_FLIGHT = {"Schedule1F1B": (2, 1), "ScheduleGPipe": (4, 4)}
 """Forwards alive at once on stage 0 and stage 1 of 2, 4 micro-batches."""
 
+pytest.importorskip(
+    "numpy",
+    reason="torch.distributed.pipelining exchanges stage metadata with "
+    "recv_object_list, which needs numpy (torch's need, not remat_dist's)",
+)
+
+
+
+
+_OVER_ON_2_12 = pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the whole-step peak of these schedules exceeds the budget "
+    "(the loss window misses what 2.12's schedules save: docs/torch_versions.md)",
+    strict=True,
+)
 
 def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
     per = CONFIG.n_layers // 2
@@ -135,7 +151,9 @@ def _check_optimal(plan) -> None:
     assert plan_cost(costs, chosen)[1] == plan_cost(costs, best)[1]
 
 
-@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleGPipe"])
+@pytest.mark.parametrize(
+    "schedule_name", ["Schedule1F1B", pytest.param("ScheduleGPipe", marks=_OVER_ON_2_12)]
+)
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
     """Three budgets between full recompute's peak and no checkpoint's (of the
@@ -250,6 +268,7 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
     return out, mods
 
 
+@_OVER_ON_2_12
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages, one MemoryBudget
@@ -317,6 +336,12 @@ def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
     return out, mods
 
 
+@pytest.mark.skipif(
+    TORCH_RELEASE < (2, 12),
+    reason="the V-shaped schedules on 2 ranks need torch 2.12 (on 2.11 gloo fails: "
+    "Pair is not connected)",
+)
+@_OVER_ON_2_12
 @pytest.mark.parametrize("schedule_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=240)
 def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from remat_dist import apply_remat, shard_model
+from remat_dist._torch import TORCH_RELEASE
 from remat_dist.distributed._collectives import CollectiveCall, observe_collectives
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.shard import reference_tp_plan
@@ -85,7 +86,21 @@ def per_block_body(layout: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "fsdp2",
+        pytest.param(
+            "tp",
+            marks=pytest.mark.xfail(
+                TORCH_RELEASE < (2, 12),
+                reason="torch 2.11's compiled TP block saves 832 bytes more under "
+                "full recompute than with the attention kept (gradients bitwise)",
+                strict=True,
+            ),
+        ),
+    ],
+)
 def test_per_block_compile(layout):
     names = ("dp",) if layout == "fsdp2" else ("tp",)
     results = run_distributed(

@@ -29,6 +29,11 @@ from remat_dist.models import GPT, Block, GPTConfig, GPTStage, block_tp_plan, ma
 from remat_dist.testing import DistContext, distributed
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
+pytest.importorskip(
+    "numpy",
+    reason="torch.distributed.pipelining exchanges stage metadata with "
+    "recv_object_list, which needs numpy (torch's need, not remat_dist's)",
+)
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, dim=32, n_heads=4, n_layers=4)
 MICRO_BATCHES = 4
