@@ -172,7 +172,11 @@ class Rounds:
                 group, new = self._usable_group(stake)
                 run = lambda g=group: fn(g)  # noqa: E731
             if new:
-                late = late or group.missed
+                missed = group.missed
+                if missed is not None and missed.reason == "setup":
+                    group.missed = None  # said once: the next round runs on this group
+                    raise missed
+                late = late or missed
             try:
                 return run()
             except RoundFailure as f:

@@ -439,12 +439,17 @@ class StakeGroup:
 
     def abort_of(self, gen: int) -> RoundFailure | None:
         """The abort of the stake's generation ``gen`` as this rank would have met
-        it, where it marks this rank absent (None otherwise)."""
+        it, where it marks this rank absent or the set-up failed (None
+        otherwise)."""
         key = f"{self.base}/{gen}/abort"
         raw = self._quiet("get", key) if self._has(key) else None
         if raw is None:
             return None
         abort = _Abort.decode(raw)
+        if abort.reason == "setup":  # a rank could not connect: every rank says so
+            why_key = f"{self.base}/{gen}/why"
+            why = self._quiet("get", why_key) if self._has(why_key) else None
+            return RoundFailure("setup", why.decode() if why else "the set-up failed")
         mine = f"{self.base}/{gen}/{_claim_name(abort.seq)}/{self.index}"
         if self._quiet("compare_set", mine, "", "in") != b"out":
             return None

@@ -110,7 +110,7 @@ def test_a_rank_that_never_comes_is_named_on_every_member_and_the_late_rank_is_t
         g.close()
 
 
-def _setup_fails_body(path: str) -> None:
+def _setup_fails_body(path: str, rank0_late_s: float = 0.0) -> None:
     """Rank 1's gloo cannot be made (its interface variable names no interface):
     at the first agreement both ranks raise AgreementSetupError, not a plan
     mismatch; the fix names the interface variable."""
@@ -122,6 +122,8 @@ def _setup_fails_body(path: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "rdnoif0"
     try:
         x = torch.randn(4, 8, requires_grad=True)
+        if ctx.rank == 0:
+            time.sleep(rank0_late_s)  # past the grace: rank 1 marks it absent
 
         def body(t):
             buf = torch.ones(2)
@@ -142,11 +144,14 @@ def _setup_fails_body(path: str) -> None:
         remat.distributed.set_replay_timeout(20.0)
 
 
-def test_a_group_that_cannot_be_set_up_says_so_on_every_rank(tmp_path):
+@pytest.mark.parametrize("rank0_late_s", [0.0, 1.5])
+def test_a_group_that_cannot_be_set_up_says_so_on_every_rank(tmp_path, rank0_late_s):
+    # rank 0 comes with rank 1, or after rank 1 gave up and marked it absent (it
+    # then meets the next generation: the set-up failure is said there too)
     from remat_dist.testing import run_distributed
 
     path = str(tmp_path / "outcome")
-    run_distributed(_setup_fails_body, path, world_size=2, timeout=60)
+    run_distributed(_setup_fails_body, path, rank0_late_s, world_size=2, timeout=60)
     for rank in (0, 1):
         elapsed, outcome = open(f"{path}.{rank}").read().split("\n", 1)
         assert outcome.startswith("AgreementSetupError: "), outcome
