@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from remat_dist._state import reset_process_state
 from remat_dist.testing._context import DistContext, _set_current
 
 __all__ = ["FnRef", "Task", "worker_main", "STACK_SIGNAL"]
@@ -191,6 +192,9 @@ class _Worker:
                 args.insert(0, ctx)
             if owner is not None:
                 args.insert(0, owner())
+        # every call starts from reset process state, as every pytest test does
+        # (a counting pair a budget left on the stack, caches, hooks)
+        reset_process_state()
         if task.shared_dir:
             from remat_dist.distributed import reset_step_state
 

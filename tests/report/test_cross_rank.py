@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from remat_dist._torch import TORCH_RELEASE
 from remat_dist.report import (
     CrossRankReport,
     aggregate_summaries,
@@ -226,13 +225,6 @@ def dtensor_outside_save():
     return report.outside_regions_bytes, report.total_bytes
 
 
-@pytest.mark.xfail(
-    TORCH_RELEASE < (2, 13),
-    reason="on torch 2.11/2.12 it passes alone but fails after some earlier test "
-    "of the same rank processes (a state that outlives its test there, not found "
-    "yet: docs/torch_versions.md)",
-    strict=False,
-)
 def test_dtensor_saves_count_their_local_shard():
     results = run_distributed(dtensor_outside_save, world_size=2, mesh_shape=(2,))
     assert results == [(64, 64), (64, 64)]

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
-from remat_dist._torch import TORCH_RELEASE
 from remat_dist.testing import DistContext, distributed
 
 BATCH = 4
@@ -85,13 +83,6 @@ def test_every_report_counts_kept_collective_outputs(ctx: DistContext):
     assert results["save"][1] - results["replay"][1] == kept_expected
 
 
-@pytest.mark.xfail(
-    TORCH_RELEASE < (2, 13),
-    reason="on torch 2.11/2.12 it passes alone but fails after some earlier test "
-    "of the same rank processes (a state that outlives its test there, not found "
-    "yet: docs/torch_versions.md)",
-    strict=False,
-)
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_dtensor_rows_show_this_ranks_shape_and_the_global_one(ctx: DistContext):
     import remat_dist as remat
