@@ -35,6 +35,18 @@ from remat_dist.distributed._collectives import (
 from remat_dist.errors import CollectiveReplayError
 from remat_dist.testing import distributed
 
+_SEQUENCE_PARALLEL_ON_THIS_TORCH = pytest.mark.skipif(
+    TORCH_RELEASE < (2, 12),
+    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
+    "to flatten multiple dimensions, with dimension 1 being sharded')",
+)
+_DTENSOR_COLLECTIVES_SEEN = pytest.mark.xfail(
+    TORCH_RELEASE == (2, 12),
+    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
+    "collectives (its functional all-gathers and reduce-scatters are not caught)",
+    strict=True,
+)
+
 
 def _seq(group=None) -> int:
     return (group or dist.group.WORLD)._get_sequence_number_for_group()
@@ -171,17 +183,8 @@ def _tp_model(mesh):
     )
 
 
-@pytest.mark.skipif(
-    TORCH_RELEASE < (2, 12),
-    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
-    "to flatten multiple dimensions, with dimension 1 being sharded')",
-)
-@pytest.mark.xfail(
-    TORCH_RELEASE == (2, 12),
-    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
-    "collectives (its functional all-gathers and reduce-scatters are not caught)",
-    strict=True,
-)
+@_SEQUENCE_PARALLEL_ON_THIS_TORCH
+@_DTENSOR_COLLECTIVES_SEEN
 @distributed(world_size=2)
 def test_dtensor_tensor_parallel_recorded(ctx):
     from torch.distributed.device_mesh import init_device_mesh
@@ -569,17 +572,8 @@ def test_serve_fsdp2_forward_and_backward(ctx):
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
 
 
-@pytest.mark.skipif(
-    TORCH_RELEASE < (2, 12),
-    reason="SequenceParallel LayerNorm needs torch 2.12 (2.11's DTensor: 'Attempted "
-    "to flatten multiple dimensions, with dimension 1 being sharded')",
-)
-@pytest.mark.xfail(
-    TORCH_RELEASE == (2, 12),
-    reason="on torch 2.12 the observer sees only the all-reduce of DTensor's "
-    "collectives (its functional all-gathers and reduce-scatters are not caught)",
-    strict=True,
-)
+@_SEQUENCE_PARALLEL_ON_THIS_TORCH
+@_DTENSOR_COLLECTIVES_SEEN
 @distributed(world_size=2)
 def test_serve_tensor_parallel_forward_and_backward(ctx):
     from torch.distributed.device_mesh import init_device_mesh
