@@ -91,7 +91,10 @@ def serve() -> Any:
             "torch_remat",
         ) from exc
     module = compat.install_torch_remat_alias(force=True)
-    print(announcement(module), file=sys.stderr, flush=True)
+    # One write of the whole line: ranks under torchrun share one stderr pipe, and
+    # print() writes the text and its newline apart, so two ranks' lines could merge.
+    sys.stderr.write(announcement(module) + "\n")
+    sys.stderr.flush()
     return module
 
 
