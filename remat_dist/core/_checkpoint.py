@@ -479,7 +479,7 @@ class _Phase:
         record = self.record
         record.end_forward()
         if error is None and self._site is not None:
-            self._site.learn(record.saved_meta)
+            self._site.learn(record)
         for method in _SEAMS.ends[record.values_check]:
             method(record, False, error)
 

@@ -214,6 +214,7 @@ class CheckpointRecord:
         "replay_count",
         "replay_packs",
         "saved_meta",
+        "saved_specs",
         "values_check",
         "forward_graph",
         "frees_graph",
@@ -243,6 +244,10 @@ class CheckpointRecord:
         self.replay_packs = 0
         self.saved_meta: Sequence[tuple[Any, ...]] = ()
         """torch's frame's list of what the forward saved (``_standin.note_forward``)."""
+        self.saved_specs: Sequence[tuple[Any, ...]] | None = None
+        """Full metadata of an earlier forward of the same call site that saved the
+        same kinds of tensors, where ``saved_meta`` is the plain metadata of a
+        forward that saved tensor subclasses (``_standin.SaveSite``)."""
         self.values_check = False
         """Whether this checkpoint's replay compares values (decided at its
         forward: ``values_check_enabled``)."""

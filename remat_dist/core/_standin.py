@@ -12,10 +12,11 @@ absorbs an error must make sure the step fails later.
 The stand-ins need each saved tensor's metadata, which torch's own checkpoint pack
 hook notes on forward through the metadata function remat_dist registers with it
 (:func:`saved_meta`, kept in ``record.saved_meta``: no hook of ours runs per saved
-tensor on forward). A checkpoint whose last forward saved only plain tensors notes
-less, in one C call per tensor (:class:`SaveSite`): a tensor subclass such as a
-DTensor needs its structure noted for its stand-in, a plain tensor only its shape,
-dtype and device. A replay's tensors are checked against the forward's when it
+tensor on forward). After its first forward a checkpoint notes less, in one C call
+per tensor (:class:`SaveSite`): a plain tensor's stand-in needs only its shape,
+dtype and device, and a tensor subclass's structure (a DTensor's placements) is
+taken from the last forward that noted it in full, while the kinds of tensors
+saved stay the same. A replay's tensors are checked against the forward's when it
 ends (``_replay_check``, reading them from torch's frame: :func:`replay_target_here`),
 or, with ``determinism_check="metadata_per_tensor"``, by a pack hook pushed just above torch's
 that counts and checks each as it is saved (:class:`Tracking`).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,24 +120,61 @@ class SaveSite:
     """What the forwards of one checkpoint call site (a ``checkpoint(...)(fn)``)
     saved: whose metadata function its next forward hands torch (``mode``).
 
-    Full metadata (:func:`saved_meta`) until a forward saved only plain strided
-    tensors, then the plain one (:data:`saved_meta_plain`) until a forward saves a
-    tensor subclass again. A forward that newly saves a subclass under the plain
-    mode has no stand-in for it: a failed replay of that forward raises instead
-    of completing (:func:`complete_with_stand_ins`)."""
+    The first forward notes full metadata (:func:`saved_meta`); later forwards
+    note the plain one (:data:`saved_meta_plain`: shape, dtype, device, class, in
+    one C call). A site that saves tensor subclasses keeps the full metadata of
+    its last full forward (``specs``): a later forward that saved the same kinds
+    (equal plain metadata at every position) builds its stand-ins from it. A
+    forward that saved other kinds makes the next one note full metadata again;
+    it has no stand-in for a subclass it saved anew, so a failed replay of it
+    raises instead of completing (:func:`complete_with_stand_ins`)."""
 
-    __slots__ = ("mode",)
+    __slots__ = ("mode", "specs", "kinds")
 
     def __init__(self) -> None:
         self.mode = METADATA_MODE
+        self.specs: Sequence[tuple[Any, ...]] | None = None
+        self.kinds: list[tuple[Any, ...]] | None = None
 
-    def learn(self, metas: list[tuple[Any, ...]]) -> None:
-        """Choose the next forward's mode from what this one saved."""
+    def learn(self, record: CheckpointRecord) -> None:
+        """Choose the next forward's mode from what ``record``'s forward saved, and
+        give the record the full metadata its stand-ins need."""
+        metas = record.saved_meta
         if self.mode is METADATA_MODE:
-            if all(m[4] is None for m in metas):
-                self.mode = METADATA_MODE_PLAIN
-        elif not _PLAIN_TYPES.issuperset(map(_CLASS, metas)):
-            self.mode = METADATA_MODE
+            self.mode = METADATA_MODE_PLAIN
+            subclass = any(m[4] is not None for m in metas)
+            self.specs, self.kinds = (metas if subclass else None), None
+            return
+        specs = self.specs
+        if specs is None:
+            if not _PLAIN_TYPES.issuperset(map(_CLASS, metas)):
+                self.mode = METADATA_MODE
+            return
+        if metas == self.kinds or (self.kinds is None and _same_kinds(metas, specs)):
+            self.kinds = metas if self.kinds is None else self.kinds
+            record.saved_specs = specs
+        else:
+            self.mode, self.specs, self.kinds = METADATA_MODE, None, None
+
+
+def _same_kinds(plain: Sequence[tuple[Any, ...]], full: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether plain metadata (shape, dtype, device, class) describes, position by
+    position, the tensors that full metadata was noted of."""
+    if len(plain) != len(full):
+        return False
+    for (shape, dtype, device, cls), want in zip(plain, full):
+        if (shape, dtype, device) != tuple(want[:3]):
+            return False
+        spec = want[4]
+        if spec is None:  # a plain strided tensor
+            if cls not in _PLAIN_TYPES:
+                return False
+        elif spec[0] is None:  # no structure to rebuild: its stand-in is plain
+            if getattr(cls, "__tensor_flatten__", None) is not None:
+                return False
+        elif cls is not spec[0]:
+            return False
+    return True
 
 
 def note_forward(record: CheckpointRecord) -> None:
@@ -231,6 +270,8 @@ def _stand_in(record: CheckpointRecord, index: int, meta: tuple[Any, ...]) -> An
         shape, dtype, device, cls = meta
         if cls in _PLAIN_TYPES:
             return torch.zeros(shape, dtype=dtype, device=device)
+        if record.saved_specs is not None:
+            return _stand_in(record, index, record.saved_specs[index])
         raise RematError(
             f"remat_dist: cannot complete the failed replay of checkpoint "
             f"{record.name!r}: its forward saved a {cls.__name__} (saved tensor "

@@ -1,8 +1,9 @@
 """Stand-ins: a replay that fails and is absorbed by an observer (what the
 distributed layer does so that every rank's backward still pairs its collectives)
 is completed with zero tensors built from what the forward noted of its saves.
-A call site whose forwards save only plain tensors notes less (shape, dtype,
-device, class); these tests pin that it still completes, and that a site that
+After its first forward a call site notes less (shape, dtype, device, class);
+these tests pin that it still completes, for plain tensors and for a tensor
+subclass (whose structure comes from the first forward), and that a site that
 starts saving a tensor subclass raises instead of handing torch a wrong stand-in.
 """
 
@@ -12,6 +13,7 @@ import gc
 
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import remat_dist as remat
 from remat_dist import RematError
@@ -75,6 +77,41 @@ def test_a_plain_site_notes_less_from_its_second_call_and_still_completes(absorb
     # exp's saved result is zero, so the gradient is zero, with the right shape
     assert absorb.errors == ["st_plain: replay broke"]
     assert torch.equal(x.grad, torch.zeros(4, 3))
+
+
+def test_a_subclass_site_notes_less_from_its_second_call_and_still_completes(absorb):
+    fail = {"now": False}
+    fn = _site("st_two", fail)
+    x = TwoTensor(torch.randn(4, 3), torch.randn(4, 3)).requires_grad_()
+    lengths = []
+    for call in range(3):
+        fail["now"] = call == 2
+        y = fn(x)
+        lengths.append({len(m) for m in _meta_of("st_two")})
+        x.grad = None
+        y.sum().backward()
+        if call < 2:
+            want = x.detach().sin().exp() * x.detach().cos()
+            assert torch.allclose(x.grad.a, want.a) and torch.allclose(x.grad.b, want.b)
+    # the first forward notes a TwoTensor's structure; later ones one C call each
+    assert lengths == [{5}, {4}, {4}]
+    # the failed third replay completed with TwoTensor stand-ins built from the
+    # first forward's structure: a zero gradient of the input's own type
+    assert absorb.errors == ["st_two: replay broke"]
+    assert type(x.grad) is TwoTensor
+    assert torch.equal(x.grad.a, torch.zeros(4, 3)) and torch.equal(x.grad.b, torch.zeros(4, 3))
+
+
+def test_a_subclass_site_whose_kinds_change_notes_in_full_again(absorb):
+    fn = _site("st_kinds", {"now": False})
+    x = TwoTensor(torch.randn(4, 3), torch.randn(4, 3)).requires_grad_()
+    fn(x).sum().backward()  # full
+    fn(x).sum().backward()  # plain, the same kinds: structure from the first
+    wider = TwoTensor(torch.randn(4, 5), torch.randn(4, 5)).requires_grad_()
+    fn(wider).sum().backward()  # plain, other shapes: the next notes in full
+    y = fn(wider)
+    assert {len(m) for m in _meta_of("st_kinds")} == {5}
+    y.sum().backward()
 
 
 def test_a_site_that_starts_saving_a_subclass_raises_instead_of_a_wrong_stand_in(absorb):
