@@ -101,7 +101,7 @@ MODULES: list[tuple[str, str, list[str]]] = [
             "DTensorRNGStateHook",
             "GeneratorStateHook",
             "set_replay_timeout",
-            "mark_step",
+            "join_agreements",
             "check_plan_consistency",
             "step_stats",
             "StepStats",
