@@ -268,7 +268,7 @@ def test_a_rank_that_stalls_before_its_report(ctx: DistContext):
             assert "ranks [1] of [0, 1] did not reach the end-of-backward report" in str(err), str(err)
         else:
             err = _expect(lambda: y.sum().backward(), remat.errors.CollectiveReplayError, bound=5.0)
-            assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
+            assert "this rank arrived after rank 0 had given up on the round" in str(err), str(err)
     finally:
         remat.distributed.set_replay_timeout(None)
     y = err = None
@@ -592,7 +592,7 @@ def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
         else:
             time.sleep(2.5)  # busy elsewhere
             err = _expect(lambda: y.sum().backward(), remat.errors.PlanMismatchError, bound=3.5)
-            assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
+            assert "this rank arrived after rank 0 had given up on the round" in str(err), str(err)
     finally:
         remat.distributed.set_replay_timeout(20.0)
     y = None  # the step is dropped: its graph dies
