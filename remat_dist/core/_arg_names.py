@@ -99,9 +99,24 @@ def argument_name(names: ArgumentNames, index: int) -> str:
 
 
 def positional_name(fn: Callable[..., Any] | None, index: int) -> str:
-    """The name of positional argument ``index`` of a call of ``fn`` (see
-    :func:`argument_name`): what reports call the inputs a plain
-    ``torch.utils.checkpoint`` call keeps."""
+    """The name of positional argument ``index`` of a call of ``fn``: what reports
+    call the inputs a plain ``torch.utils.checkpoint`` call keeps.
+
+    Args:
+        fn: the called function, or a module (its ``forward`` names the
+            arguments); None where it is not known.
+        index: the argument's position in the call.
+
+    Returns:
+        The parameter it binds to, ``args[j]`` for the ``j``-th entry of a
+        ``*args``, else ``input {index}`` (no signature, or no such parameter).
+
+    Example::
+
+        >>> def block(hidden_states, *extra): ...
+        >>> positional_name(block, 0), positional_name(block, 2)
+        ('hidden_states', 'extra[1]')
+    """
     return argument_name(ArgumentNames(fn, 0, index + 1, ()), index)
 
 
