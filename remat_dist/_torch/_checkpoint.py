@@ -357,8 +357,8 @@ _SAC_ASKS_ON_RECOMPUTE = _sac_asks_on_recompute()
 
 def frame_function(frame: Any) -> Any:
     """The function torch's checkpoint ``frame`` recomputes (the one given to
-    ``torch.utils.checkpoint.checkpoint``), found in its recompute function's
-    closure; None where that closes over none."""
+    ``torch.utils.checkpoint.checkpoint``): the ``fn`` cell of the closure of
+    ``frame.recompute_fn`` (torch 2.11 through 2.15); None where it has none."""
     recompute = getattr(frame, "recompute_fn", None)
     code = getattr(recompute, "__code__", None)
     if code is None:
