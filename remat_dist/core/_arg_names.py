@@ -1,9 +1,9 @@
 """Names of a checkpoint's inputs: the wrapped function's parameter names.
 
-A report, an error or a trace calls the tensor a checkpoint received by the
-parameter it was bound to (``hidden_states``, ``args[1]`` for a ``*args`` entry,
-the keyword of a keyword argument), and ``input {i}`` only where the function has
-no signature to bind to. A call notes nothing but the positional count and the
+A report or an error calls the tensor a checkpoint received by the parameter it
+was bound to (``hidden_states``, ``args[1]`` for a ``*args`` entry, the keyword
+of a keyword argument), and ``input {i}`` only where the function has no
+signature to bind to. A call notes nothing but the positional count and the
 keywords; the signature is read when a name is asked for, once per function.
 """
 
@@ -42,7 +42,8 @@ class _Layout(NamedTuple):
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[Any, _Layout | None] = weakref.WeakKeyDictionary()
-"""Parameter layout per plain function (bound methods are keyed by theirs)."""
+"""Parameter layout per callable (a bound method's under its function, so that a
+module's ``forward`` is read once for all its instances)."""
 
 
 def _read_layout(fn: Callable[..., Any]) -> _Layout | None:
