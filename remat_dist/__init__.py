@@ -122,7 +122,7 @@ MOVED = {
     "BudgetPlan": "remat_dist.budget.BudgetPlan",
     "BlockPlan": "remat_dist.budget.BlockPlan",
     "set_replay_timeout": "remat_dist.distributed.set_replay_timeout",
-    "mark_step": "remat_dist.distributed.mark_step",
+    "mark_step": "remat_dist.distributed.join_agreements",
     "check_plan_consistency": "remat_dist.distributed.check_plan_consistency",
     "step_stats": "remat_dist.distributed.step_stats",
     "StepStats": "remat_dist.distributed.StepStats",

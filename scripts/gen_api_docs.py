@@ -2,13 +2,15 @@
 
 One section per module a user imports: ``remat_dist`` itself (torch_remat's names
 and the few of remat_dist's own a training script calls), then the named modules.
-Signatures show defaults as code (``'replay'``, not ``replay``). ``--check`` exits 1
+Signatures are rendered here, the same text under every Python: defaults as
+code (``'replay'``, not ``replay``; an enum member as ``Kind.NAME``). ``--check`` exits 1
 when docs/api.md is stale (the test suite runs it); a name without a docstring
 fails the generation.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import sys
@@ -101,7 +103,7 @@ MODULES: list[tuple[str, str, list[str]]] = [
             "DTensorRNGStateHook",
             "GeneratorStateHook",
             "set_replay_timeout",
-            "mark_step",
+            "join_agreements",
             "check_plan_consistency",
             "step_stats",
             "StepStats",
@@ -145,25 +147,84 @@ TYPE_ALIASES = {
 }
 
 
-class _Code(str):
-    """An annotation written as text (``from __future__ import annotations``),
-    shown as written rather than quoted."""
-
-    def __repr__(self) -> str:
-        return str(self)
+_FACTORY = "<factory>"
+"""How a dataclass field's ``default_factory`` shows (as ``dataclasses`` writes it)."""
 
 
-def _signature(obj: object) -> str:
+def _default(value: object, where: str) -> str:
+    """A default as code, the same text under every Python (``repr`` of an enum
+    member or of a sentinel is not): literals as Python writes them, an enum
+    member as ``Kind.NAME``, tuples and lists of those."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        items = [_default(v, where) for v in value]
+        if isinstance(value, list):
+            return "[" + ", ".join(items) + "]"
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if repr(value) == _FACTORY:
+        return _FACTORY
+    raise SystemExit(
+        f"gen_api_docs: {where} has a default of type {type(value).__name__}, which "
+        "has no stable spelling: teach _default to write it"
+    )
+
+
+def _annotation(annotation: object, where: str) -> str:
+    """An annotation as written in the source (every module here uses ``from
+    __future__ import annotations``, so they are strings)."""
+    if isinstance(annotation, str):
+        return annotation
+    if annotation is None:  # what dataclasses give a generated __init__
+        return "None"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    raise SystemExit(
+        f"gen_api_docs: {where} has an annotation that is not text ({annotation!r}): "
+        "add `from __future__ import annotations` to its module"
+    )
+
+
+def _signature(obj: object, where: str) -> str:
+    """``(params) -> return`` rendered here rather than by ``str(Signature)``,
+    whose spelling of defaults changes between Python versions. Enum and protocol
+    classes show their bases instead: their call signatures are the machinery's."""
+    if inspect.isclass(obj):
+        if issubclass(obj, enum.Enum):
+            return "(enum.Enum)"
+        if getattr(obj, "_is_protocol", False):
+            return "(typing.Protocol)"
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return ""
-
-    def plain(annotation: object) -> object:
-        return _Code(annotation) if isinstance(annotation, str) else annotation
-
-    params = [p.replace(annotation=plain(p.annotation)) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=plain(sig.return_annotation)))
+    parts: list[str] = []
+    kinds = [p.kind for p in sig.parameters.values()]
+    star_done = inspect.Parameter.VAR_POSITIONAL in kinds
+    for i, p in enumerate(sig.parameters.values()):
+        if p.kind is p.KEYWORD_ONLY and not star_done:
+            parts.append("*")
+            star_done = True
+        text = p.name
+        if p.kind is p.VAR_POSITIONAL:
+            text = "*" + text
+        elif p.kind is p.VAR_KEYWORD:
+            text = "**" + text
+        if p.annotation is not p.empty:
+            text += ": " + _annotation(p.annotation, f"{where}({p.name})")
+        if p.default is not p.empty:
+            eq = " = " if p.annotation is not p.empty else "="
+            text += eq + _default(p.default, f"{where}({p.name})")
+        parts.append(text)
+        following = kinds[i + 1] if i + 1 < len(kinds) else None
+        if p.kind is p.POSITIONAL_ONLY and following is not p.POSITIONAL_ONLY:
+            parts.append("/")
+    out = "(" + ", ".join(parts) + ")"
+    if sig.return_annotation is not sig.empty:
+        out += " -> " + _annotation(sig.return_annotation, f"{where} return")
+    return out
 
 
 def _entry(title: str, name: str, obj: object) -> list[str]:
@@ -172,11 +233,36 @@ def _entry(title: str, name: str, obj: object) -> list[str]:
         return [f"### `{title}`", "", f"```text\n{head}\n```", "", doc, ""]
     kind = "class" if inspect.isclass(obj) else "function"
     is_error = inspect.isclass(obj) and issubclass(obj, BaseException)
-    sig = "" if is_error else _signature(obj)
+    sig = "" if is_error else _signature(obj, title)
     doc = inspect.getdoc(obj)
     if not doc:
         raise SystemExit(f"gen_api_docs: {title} has no docstring")
     return [f"### `{title}`", "", f"```text\n{kind} {name}{sig}\n```", "", doc, ""]
+
+
+RENAMED = [
+    ("remat_dist.wrap.remat_plan", "remat_dist.wrap.checkpointed_blocks"),
+    ("remat_dist.distributed.mark_step", "remat_dist.distributed.join_agreements"),
+]
+"""Names of the named modules that have a new name (old, new), each kept as a
+deprecated alias for one release."""
+
+
+def _check_renamed(old: str, new: str) -> None:
+    """The old name still gives the new one, with a warning that names it."""
+    import warnings
+
+    module_name, old_name = old.rsplit(".", 1)
+    new_module, new_name = new.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = getattr(module, old_name)
+    named = any(
+        issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught
+    )
+    if got is not getattr(importlib.import_module(new_module), new_name) or not named:
+        raise SystemExit(f"gen_api_docs: {old} is not a deprecated alias naming {new}")
 
 
 def render() -> str:
@@ -218,6 +304,19 @@ def render() -> str:
     ]
     for name, target in remat_dist.MOVED.items():
         lines.append(f"| `remat_dist.{name}` | `{target}` |")
+    lines += [
+        "",
+        "## Deprecated names in the named modules",
+        "",
+        "The old spelling of a renamed name works until 0.2.0 and raises a",
+        "`DeprecationWarning` naming the new one.",
+        "",
+        "| old | new |",
+        "|---|---|",
+    ]
+    for old, new in RENAMED:
+        _check_renamed(old, new)
+        lines.append(f"| `{old}` | `{new}` |")
     return "\n".join(lines).rstrip() + "\n"
 
 

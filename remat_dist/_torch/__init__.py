@@ -138,6 +138,8 @@ _CORE = (
     "torch.UntypedStorage._weak_ref",
     "torch._neg_view",
     # _pytree
+    "torch.utils._pytree.keystr",
+    "torch.utils._pytree.tree_flatten_with_path",
     "torch.utils._pytree.tree_leaves",
     "torch.utils._pytree.tree_map",
     # _module

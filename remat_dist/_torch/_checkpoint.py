@@ -28,6 +28,7 @@ __all__ = [
     "replay_target",
     "CHECKPOINT_EXITS_ON_ERROR",
     "exit_left_checkpoints",
+    "frame_function",
     "frame_saved_inputs",
     "is_input_padding",
     "run_checkpoint",
@@ -352,6 +353,21 @@ def _sac_asks_on_recompute() -> bool:
 
 
 _SAC_ASKS_ON_RECOMPUTE = _sac_asks_on_recompute()
+
+
+def frame_function(frame: Any) -> Any:
+    """The function torch's checkpoint ``frame`` recomputes (the one given to
+    ``torch.utils.checkpoint.checkpoint``): the ``fn`` cell of the closure of
+    ``frame.recompute_fn`` (torch 2.11 through 2.15); None where it has none."""
+    recompute = getattr(frame, "recompute_fn", None)
+    code = getattr(recompute, "__code__", None)
+    if code is None:
+        return None
+    cell = dict(zip(code.co_freevars, recompute.__closure__ or ())).get("fn")
+    try:
+        return None if cell is None else cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def frame_saved_inputs(frame: Any) -> list[tuple[int, Any]]:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
-__all__ = ["tree_leaves", "tree_map"]
+__all__ = ["keystr", "tree_flatten_with_path", "tree_leaves", "tree_map"]

@@ -16,6 +16,7 @@ rule enforces it; ``docs/extending.md`` documents each piece):
 * the default state hooks: :func:`set_default_state_hooks_provider`;
 * the extent of saved-tensor hooks: :func:`set_saved_hooks_extent`;
 * the running frame: :func:`current_frame`, :func:`active_scope_depth`;
+* names of a call's arguments: :func:`positional_name`;
 * what autograd holds: :func:`classify_packed`, :class:`PackedKind`,
   :func:`records_of_node`, :func:`live_scope_records`;
 * storage identity: :func:`plain`, :func:`storage_key`, :func:`storage_nbytes`,
@@ -24,6 +25,7 @@ rule enforces it; ``docs/extending.md`` documents each piece):
   :func:`fingerprint`, :func:`fingerprints_differ`, :func:`raise_at_backward_end`.
 """
 
+from remat_dist.core._arg_names import positional_name
 from remat_dist.core._checkpoint import checkpoint as checkpoint
 from remat_dist.core._fingerprint import (
     fingerprint,
@@ -91,6 +93,7 @@ __all__ = [
     "live_scope_records",
     "observers_suspended",
     "plain",
+    "positional_name",
     "raise_at_backward_end",
     "records_of_node",
     "register_observer",

@@ -276,7 +276,7 @@ def _run_checkpoint(
     user_hooks = options.saved_tensors_hooks
     kept_under = entry_hooks(user_hooks)
     hooked = kept_under is not None
-    record.note_inputs(args, kwargs, hooked=hooked)
+    record.note_inputs(fn, args, kwargs, hooked=hooked)
     forward_phase = _Phase(record, replay=False, site=site)
     replay_phase = _Phase(record, replay=True)
     call = functools.partial(fn, **kwargs) if kwargs else fn

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from remat_dist.core._arg_names import ArgumentNames, argument_name
 from remat_dist.core._options import CheckpointOptions
 from remat_dist.core._storage import TensorMeta, plain
 from remat_dist.core._types import RecomputeStateHook
@@ -184,7 +185,8 @@ class CheckpointRecord:
         regions: the region calls of the forward, in order.
         state_hooks: the :class:`RecomputeStateHook` set in force.
         entry_state: the hooks' snapshots at checkpoint entry.
-        input_entries: metadata of the tensor arguments (kept by torch's frame).
+        input_entries: metadata of the tensor arguments (kept by torch's frame),
+            named by the checkpointed function's parameters (:meth:`input_name`).
         options: the frozen :class:`CheckpointOptions` (declared options of the
             layers above in ``options.extensions``).
         extensions: per-observer data (the distributed ledger lives here).
@@ -208,6 +210,9 @@ class CheckpointRecord:
         "entry_state",
         "_input_entries",
         "_inputs",
+        "_arg_fn",
+        "_arg_first",
+        "_arg_counts",
         "options",
         "extensions",
         "phase",
@@ -237,6 +242,11 @@ class CheckpointRecord:
         self.entry_state: tuple[Any, ...] = ()
         self._input_entries: list[SavedEntry] | None = None
         self._inputs: Sequence[tuple[int, Any]] = ()
+        self._arg_fn: Callable[..., Any] | None = None
+        self._arg_first = 0
+        self._arg_counts: tuple[int, tuple[str, ...]] = (0, ())
+        """What names the inputs (``ArgumentNames``' fields, kept apart: a call
+        sets them and reports alone make the names)."""
         self.options = options
         self.extensions: dict[str, Any] = {}
         self.phase = CheckpointPhase.FORWARD
@@ -266,29 +276,61 @@ class CheckpointRecord:
 
     @property
     def input_entries(self) -> list[SavedEntry]:
-        """Report metadata of the tensor arguments, taken on first read (reports
-        read it while the graph, and so torch's frame holding the inputs, lives)."""
+        """Report metadata of the tensor arguments, each named by its parameter
+        (:meth:`input_name`), taken on first read (reports read it while the
+        graph, and so torch's frame holding the inputs, lives)."""
         entries = self._input_entries
         if entries is None:
-            entries = self._input_entries = [
-                saved_entry(t, f"input {i}")
-                for i, ref in self._inputs
-                if (t := ref()) is not None
-            ]
+            entries = self._input_entries = []
+            for i, held in self._inputs:
+                if isinstance(held, SavedEntry):
+                    entry = held
+                elif (t := held()) is not None:
+                    entry = saved_entry(t, None)
+                else:
+                    continue
+                entry.name = self.input_name(i)
+                entries.append(entry)
             self._inputs = ()
         return entries
 
+    def input_name(self, index: int) -> str:
+        """The name of the checkpoint's argument ``index`` (its positional
+        arguments, then its keyword arguments): the parameter of the checkpointed
+        function it binds to (``hidden_states``; ``args[0]`` for an entry of
+        ``*args``), its keyword, or ``input {index}`` where no signature names it."""
+        names = ArgumentNames(self._arg_fn, self._arg_first, *self._arg_counts)
+        return argument_name(names, index)
+
+    def name_inputs_by(self, fn: Callable[..., Any], first: int = 0) -> None:
+        """Name the inputs after ``fn``'s parameters instead of the checkpointed
+        function's: argument ``i`` of the checkpoint is ``fn``'s positional
+        argument ``i - first`` (a generic runner that receives the module first
+        names them by the module's ``forward``)."""
+        self._arg_fn = fn
+        self._arg_first = first
+
     def note_inputs(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], *, hooked: bool = False
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        hooked: bool = False,
     ) -> None:
-        """Remember the tensor arguments for :attr:`input_entries`. Weakly, their
-        entries taken when a report reads them: torch's frame keeps them alive as
-        long as the checkpoint's graph. Under the user's saved-tensor hooks
-        (``hooked``) the entries are taken now: what the hook packs may be the only
-        copy left, and the positional ones are marked as packed by it."""
+        """Remember the tensor arguments of a call of ``fn`` for
+        :attr:`input_entries`. Weakly, their entries taken when a report reads
+        them: torch's frame keeps them alive as long as the checkpoint's graph.
+        Under the user's saved-tensor hooks (``hooked``) the entries are taken now:
+        what the hook packs may be the only copy left, and the positional ones are
+        marked as packed by it. Only the counts and keywords of the call are kept
+        for the names, which are made on first read."""
+        self._arg_fn = fn
+        self._arg_first = 0
+        self._arg_counts = (len(args), tuple(kwargs) if kwargs else ())
         if hooked:
-            self._input_entries = [
-                saved_entry(t, f"input {i}", packed_by_user_hook=i < len(args))
+            self._inputs = [
+                (i, saved_entry(t, None, packed_by_user_hook=i < len(args)))
                 for i, t in enumerate((*args, *kwargs.values()))
                 if isinstance(t, torch.Tensor)
             ]

@@ -321,7 +321,7 @@ def _region_replay(
         _record.notify("on_region_start", record, rr, True)
     if is_save:
         if rr.routed:
-            _emit_routed(record, rr, args, kwargs)
+            _emit_routed(record, rr, call.fn, args, kwargs)
         items = [_serve(record, rr, j) for j in range(len(rr.output_meta))]
         _restore(record, rr.state_after or (), f"after save region {rr.name!r}")
         out = _rebuild(rr.output_structure, items)

@@ -51,6 +51,7 @@ in a backward that keeps no graph, of a checkpoint that persisted an output.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ from remat_dist._torch import _autograd
 from remat_dist._torch._checkpoint import live_holders, replay_target
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist.core import _standin
+from remat_dist.core._arg_names import leaf_names
 from remat_dist.core._hooks import for_user_hook, innermost_hooks, saved_name
 from remat_dist.core._packed import _Kept, _UserPacked
 from remat_dist.core._record import (
@@ -208,11 +210,16 @@ def _save_region_hooks(
 
 
 def _emit_routed(
-    record: CheckpointRecord, rr: RegionRecord, args: tuple[Any, ...], kwargs: dict
+    record: CheckpointRecord,
+    rr: RegionRecord,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict,
 ) -> None:
     """On replay, where a save region is skipped: hand torch's recompute hook the
     region inputs that the forward routed to it, in the same order, rebuilt from
-    this replay's (recomputed) arguments."""
+    this replay's (recomputed) arguments (``fn``: the region's function, which
+    names them in an error)."""
     hooks = _top_hooks(False)
     flat = tree_leaves((args, kwargs))
     with torch.no_grad():
@@ -229,10 +236,12 @@ def _emit_routed(
                     if isinstance(a, torch.Tensor)
                     else type(a).__name__
                 )
+                names = leaf_names(fn, args, kwargs)
+                what = names[i] if i < len(names) else f"input {i}"
                 raise RematError(
                     f"remat_dist: save region {rr.name!r} (recompute=False) saved a "
                     "view of an input for backward, but recompute reproduced that input "
-                    f"with a different layout (input {i}: expected shape {a_shape} "
+                    f"with a different layout ({what}: expected shape {a_shape} "
                     f"strides {a_stride}, got {got}). The replay of checkpoint "
                     f"{record.name!r} reached save region {rr.name!r} with other inputs "
                     "than the forward. Fix: compute the region's inputs the same way on "

@@ -9,7 +9,7 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
 * a plan agreement among the ranks at stake (the groups whose collectives a
   replay can re-issue) before backward's first collective, and a failure report
   among them at backward's end, on a gloo group of those ranks only
-  (``mark_step`` makes a rank that checkpoints nothing take part;
+  (``join_agreements`` makes a rank that checkpoints nothing take part;
   ``check_plan_consistency`` compares the full plan of a group on demand);
 * with ``determinism_check="values"``, a value check of every replayed
   collective's input and saved tensor, reported among the ranks at stake
@@ -24,9 +24,9 @@ Importing this package (``import remat_dist`` does) attaches, with a process gro
   destroyed during finalization, where gloo aborts the process (``_exit``).
 
 Without an initialised process group none of it costs anything. The user API
-(``set_replay_timeout``, ``mark_step``, ``step_stats``, the RNG hooks, ...) is
-published at ``remat_dist``; ``__all__`` here lists what the layers and side
-packages above use.
+(``set_replay_timeout``, ``join_agreements``, ``step_stats``, the RNG hooks, ...)
+is published here (see docs/api.md); ``__all__`` here lists what the layers and
+side packages above use.
 """
 
 import functools
@@ -40,7 +40,7 @@ from remat_dist.distributed import (
     _values,  # noqa: F401  (the value check's observer)
 )
 from remat_dist.distributed._check import (
-    check_plan_consistency as check_plan_consistency,  # published at remat_dist
+    check_plan_consistency as check_plan_consistency,  # published here
 )
 from remat_dist.distributed._intercept import ObserverExtent
 from remat_dist.distributed._objects import all_gather_objects
@@ -52,21 +52,21 @@ from remat_dist.distributed._rng import DeviceRNGStateHook as DeviceRNGStateHook
 from remat_dist.distributed._rng import DTensorRNGStateHook as DTensorRNGStateHook
 from remat_dist.distributed._rng import GeneratorStateHook as GeneratorStateHook
 from remat_dist.distributed._rng_default import (
-    default_state_hooks as default_state_hooks,  # published at remat_dist
+    default_state_hooks as default_state_hooks,  # published here
 )
 from remat_dist.distributed._rng_default import install_default_provider
 from remat_dist.distributed._step import (
-    StepStats as StepStats,  # published at remat_dist
+    StepStats as StepStats,  # published here
 )
 from remat_dist.distributed._step import (
-    mark_step as mark_step,  # published at remat_dist
+    join_agreements as join_agreements,  # published here
 )
 from remat_dist.distributed._step import reset_step_state
 from remat_dist.distributed._step import (
-    set_replay_timeout as set_replay_timeout,  # published at remat_dist
+    set_replay_timeout as set_replay_timeout,  # published here
 )
 from remat_dist.distributed._step import (
-    step_stats as step_stats,  # published at remat_dist
+    step_stats as step_stats,  # published here
 )
 
 install_default_provider()
@@ -116,3 +116,18 @@ def bare_hooks_extent() -> ObserverExtent:
 
 
 __all__ += ["bare_hooks_extent", "own_collectives"]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    if name == "mark_step":  # its name until 0.1.0 (torch_xla's word for another thing)
+        import warnings
+
+        warnings.warn(
+            "remat_dist.distributed.mark_step is deprecated and goes in remat_dist "
+            "0.2.0: use remat_dist.distributed.join_agreements (the same function: "
+            "this rank takes part in the forward's agreements)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return join_agreements
+    raise AttributeError(f"module 'remat_dist.distributed' has no attribute {name!r}")

@@ -242,13 +242,12 @@ def failure_text(
     late = getattr(f, "came_late", None)
     if late is not None:
         head += (
-            f" (this rank came late: rank {late.by} had given up on the round "
-            "before it came; its peers did not meet it in their next round either)"
+            f" (this rank arrived after rank {late.by} had given up on the round; "
+            "its peers did not meet it in their next round either)"
         )
     elif getattr(f, "late", False):
         head += (
-            f" (this rank came late: rank {f.by} had given up on the round before "
-            "it came)"
+            f" (this rank arrived after rank {f.by} had given up on the round)"
         )
     return (
         f"{head}: they stalled, died, raised earlier in this step, or run another "

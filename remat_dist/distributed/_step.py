@@ -10,9 +10,9 @@ What each rank does, per autograd graph that replays or communicates (a step, or
 one micro-batch of a pipeline schedule)::
 
     forward   each checkpoint's plan joins the pending plan of each of its stakes;
-              after mark_step() (apply_remat calls it) or a checkpoint, the groups
-              of collectives issued outside checkpoints are noted too, so that a
-              rank that checkpoints nothing still meets its peers
+              after join_agreements() (apply_remat calls it) or a checkpoint, the
+              groups of collectives issued outside checkpoints are noted too, so
+              that a rank that checkpoints nothing still meets its peers
     backward  at the first replay or first collective of the graph task: one
               agreement per stake with a pending plan or a note, in the order of
               the stakes' ranks (a 2-rank stake's posted at a replay's start,
@@ -66,7 +66,7 @@ from remat_dist.distributed._value_texts import report_error_class
 __all__ = [
     "StepState",
     "current_step",
-    "mark_step",
+    "join_agreements",
     "reset_step_state",
     "set_replay_timeout",
     "step_stats",
@@ -211,7 +211,7 @@ class StepState:
     # -- forward
     def arm(self) -> None:
         """Note the groups of the collectives issued from now on in this forward
-        (``mark_step``, a checkpoint's start)."""
+        (``join_agreements``, a checkpoint's start)."""
         self._settle_owed()
         if not self.noting:
             self.noting = True
@@ -653,7 +653,7 @@ def step_stats() -> StepStats:
     return stats
 
 
-def mark_step() -> None:
+def join_agreements() -> None:
     """Take part in the agreements of this forward even if this rank checkpoints
     nothing in it.
 
@@ -670,7 +670,7 @@ def mark_step() -> None:
     Example::
 
         def forward(self, x):
-            remat_dist.distributed.mark_step()
+            remat_dist.distributed.join_agreements()
             for i, block in enumerate(self.blocks):
                 if i in self.checkpointed:
                     x = remat_dist.checkpoint(region_name=f"blocks.{i}")(block)(x)

@@ -456,7 +456,7 @@ def breakdown_torch_checkpoint(
         kind=TORCH_CHECKPOINT,
         recompute_handles=frame.recompute_handles,
     )
-    inputs = [(f"input {i}", t, user_hook) for i, t, user_hook in frame.inputs()]
+    inputs = [(frame.input_name(i), t, user_hook) for i, t, user_hook in frame.inputs()]
     out.inputs = _storage_rows(inputs, f"{name} inputs", ledger)
     out.user_hook_bytes = sum(r.nbytes for r in out.inputs if r.user_hook)
     cache_name = f"{name}::selective cache"

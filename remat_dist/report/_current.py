@@ -10,7 +10,7 @@ storage counted once however many views of it were saved::
       12 B  lse    (3,)  float32
       16 B  probs  (4,)  float32
     layers.0 inputs: 48 B in 1 storage (kept so that replay can start)
-      48 B  input 0  (3, 4)  float32
+      48 B  x  (3, 4)  float32
 
 Under ``collectives="save"`` the collective outputs kept so far for comm-free
 replay are one more region, ``<name>::kept``, each row labelled ``... output (kept

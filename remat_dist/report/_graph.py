@@ -27,13 +27,19 @@ import torch
 
 from remat_dist._state import register_state
 from remat_dist._torch import _autograd
-from remat_dist._torch._checkpoint import CheckpointFrame, Holder, frame_saved_inputs
+from remat_dist._torch._checkpoint import (
+    CheckpointFrame,
+    Holder,
+    frame_function,
+    frame_saved_inputs,
+)
 from remat_dist._torch._pytree import tree_leaves
 from remat_dist._torch._tensor import TorchDispatchMode, is_traceable_wrapper_subclass
 from remat_dist.core import (
     CheckpointRecord,
     PackedKind,
     classify_packed,
+    positional_name,
     records_of_node,
 )
 
@@ -189,6 +195,11 @@ class TorchCheckpointFrame:
             elif packed[0] is PackedKind.REGION_USER_PACKED:
                 out.extend((i, t, True) for t in packed_tensors(packed[1]))
         return out
+
+    def input_name(self, index: int) -> str:
+        """What reports call argument ``index``: the parameter of the checkpointed
+        function it binds to (``input {index}`` where none names it)."""
+        return positional_name(frame_function(self.frame), index)
 
     def cached(self) -> list[torch.Tensor]:
         """The op outputs torch's selective checkpointing cached for backward (its

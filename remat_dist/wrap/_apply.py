@@ -47,7 +47,7 @@ from remat_dist._logging import get_logger
 from remat_dist._torch import _dynamo
 from remat_dist._torch._module import is_compiled
 from remat_dist.core import CollectiveMode, RecomputeStateHook
-from remat_dist.distributed import mark_step
+from remat_dist.distributed import join_agreements
 from remat_dist.wrap._adapters import adapter_for
 from remat_dist.wrap._blocks import BlockSelector, select_blocks
 from remat_dist.wrap._checks import check_blocks
@@ -65,7 +65,7 @@ from remat_dist.wrap._policy import RematPolicy, resolve_policy
 __all__ = ["apply_remat", "checkpointed_blocks", "remove_remat"]
 
 STEP_HOOK_ATTR = "_remat_dist_step_hook"
-"""On the model: the handle of the pre-hook that calls ``mark_step()``."""
+"""On the model: the handle of the pre-hook that calls ``join_agreements()``."""
 
 SELECTED_ATTR = "_remat_dist_selected"
 """On the model: every block ``apply_remat`` selected, checkpointed or not."""
@@ -191,7 +191,7 @@ def apply_remat(
     if STEP_HOOK_ATTR not in model.__dict__:
         # A rank whose policy leaves blocks unchecked still takes part in the
         # agreements of its groups (so a rank-dependent policy raises there).
-        model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_mark_step)
+        model.__dict__[STEP_HOOK_ATTR] = model.register_forward_pre_hook(_join_agreements)
     _log_setup(model, selected, plans, policy, collectives)
     return model
 
@@ -239,7 +239,7 @@ def _check_free(name: str, module: nn.Module, regions: dict[str, str]) -> None:
             )
 
 
-def _mark_step(module: nn.Module, args: Any) -> None:
+def _join_agreements(module: nn.Module, args: Any) -> None:
     """A rank whose policy leaves a selected block unchecked takes part in the
     agreements of the groups its forward uses (its peers may checkpoint that block).
     Where every block is checkpointed, the checkpoints form their replay groups
@@ -247,7 +247,7 @@ def _mark_step(module: nn.Module, args: Any) -> None:
     if torch.is_grad_enabled() and any(
         BLOCK_ATTR not in b.__dict__ for b in module.__dict__.get(SELECTED_ATTR, ())
     ):
-        mark_step()
+        join_agreements()
 
 
 def remove_remat(model: nn.Module) -> nn.Module:

@@ -115,6 +115,11 @@ def call_block(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         else:
             spec.pending.add(frame)
             frame.extensions[_REGIONS_KEY] = spec.regions
+            # reports name the inputs after the block's forward, not this runner
+            if spec.previous_forward is None:
+                frame.name_inputs_by(type(module).forward)
+            else:
+                frame.name_inputs_by(spec.previous_forward, first=1)
     if spec.previous_forward is None:
         return type(module).forward(module, *args, **kwargs)
     return spec.previous_forward(*args, **kwargs)

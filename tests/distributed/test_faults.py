@@ -124,6 +124,32 @@ def test_tp_rank_that_checkpoints_nothing(ctx: DistContext):
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_join_agreements_where_checkpoint_is_called_directly(ctx: DistContext):
+    # no apply_remat and so no pre-hook: rank 1 checkpoints nothing in this forward,
+    # and join_agreements() makes it meet rank 0 in the TP group's agreement (without
+    # it rank 0 would wait for a peer that never comes)
+    mlp = _tp_mlp(ctx.mesh)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(t):
+        return mlp(t.sin()).cos()
+
+    remat.distributed.join_agreements()
+    y = remat.checkpoint(region_name="join_blk")(body)(x) if ctx.rank == 0 else body(x)
+    err = _expect(lambda: _backward_ops(mlp(y).sum()), remat.errors.PlanMismatchError, "join_blk")
+    assert _backward_ops.last == []
+    _same_on_every_rank(str(err))
+
+
+def test_mark_step_is_join_agreements_under_its_old_name():
+    with pytest.warns(DeprecationWarning, match="remat_dist.distributed.join_agreements"):
+        old = remat.distributed.mark_step
+    assert old is remat.distributed.join_agreements
+    with pytest.raises(AttributeError, match="no_such_name"):
+        remat.distributed.no_such_name  # noqa: B018
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_tp_one_block_not_checkpointed_on_one_rank(ctx: DistContext):
     # The case that used to pair a replayed all-reduce with an unrelated backward
     # all-reduce of the same shape: replays start at different points of backward.
@@ -242,7 +268,7 @@ def test_a_rank_that_stalls_before_its_report(ctx: DistContext):
             assert "ranks [1] of [0, 1] did not reach the end-of-backward report" in str(err), str(err)
         else:
             err = _expect(lambda: y.sum().backward(), remat.errors.CollectiveReplayError, bound=5.0)
-            assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
+            assert "this rank arrived after rank 0 had given up on the round" in str(err), str(err)
     finally:
         remat.distributed.set_replay_timeout(None)
     y = err = None
@@ -566,7 +592,7 @@ def test_rank_that_never_reaches_the_agreement(ctx: DistContext):
         else:
             time.sleep(2.5)  # busy elsewhere
             err = _expect(lambda: y.sum().backward(), remat.errors.PlanMismatchError, bound=3.5)
-            assert "this rank came late: rank 0 had given up on the round" in str(err), str(err)
+            assert "this rank arrived after rank 0 had given up on the round" in str(err), str(err)
     finally:
         remat.distributed.set_replay_timeout(20.0)
     y = None  # the step is dropped: its graph dies

@@ -52,7 +52,7 @@ def test_current_memory_report_format_names_views_once_per_storage():
                 "  12 B  lse                            (3, 1)  float32",
                 "  48 B  probs, head (output at idx 0)  (3, 4)  float32",
                 "layers.0 inputs: 48 B in 1 storage (kept so that replay can start)",
-                "  48 B  input 0  (3, 4)  float32",
+                "  48 B  x  (3, 4)  float32",
             ]
         )
     ]
