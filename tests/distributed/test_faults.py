@@ -394,6 +394,38 @@ def test_tp_exception_during_replay(ctx: DistContext):
 
 
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
+def test_tp_exception_during_replay_of_a_later_step(ctx: DistContext):
+    """From its second forward a block notes its saved DTensors in one C call each;
+    a replay that fails then still completes with stand-ins of the right
+    placements (from the first forward), so every rank raises together."""
+    model = _model(ctx.mesh, "full")
+    _loss(model).backward()
+    model.zero_grad(set_to_none=True)
+    failing = {"now": False}
+
+    def boom():
+        if failing["now"]:
+            raise ValueError("replay-only failure")
+
+    if ctx.rank == 1:
+        _on_replay(model, 1, boom)
+    failing["now"] = True
+    loss = _loss(model)
+    err = _expect(
+        lambda: _backward_ops(loss),
+        remat.errors.CollectiveReplayError,
+        "ranks [1]",
+        "ValueError: replay-only failure",
+        "checkpoint 'layers.1'",
+    )
+    _same_on_every_rank(str(err))
+    # the backward went on past the failed replay on rank 1: both ranks issued
+    # the same collectives
+    _same_on_every_rank(_backward_ops.last)  # type: ignore[attr-defined]
+    _clean_step(ctx.mesh)
+
+
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",))
 def test_tp_replay_that_saves_other_tensors_on_one_rank(ctx: DistContext):
     """Rank 1's replay of a block saves two tensors its forward did not (shifting
     every later one) but runs to its end: the check at the replay's end finds the
