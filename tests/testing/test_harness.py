@@ -214,7 +214,9 @@ def test_hang_is_reported_within_the_timeout() -> None:
     with pytest.raises(DistributedTimeoutError) as info:
         run_distributed(_hang, timeout=2.0)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 8
+    # the hang itself never ends: any bound far above the 2 s timeout plus the
+    # stack dumps tells a reported hang from one that waits, on a loaded machine too
+    assert elapsed < 30
     err = info.value
     assert err.still_running == [0, 1] and err.failures == {}
     text = str(err)
