@@ -859,7 +859,9 @@ def _plan_shared(states: list[_Planner]) -> None:
 def _concurrent(shared: _Shared | None, tables: list[ModelTable]) -> list[tuple[int, ...]]:
     """The moments the rank's peak can fall on (``_joint.moments``) from the
     forwards alive per model at each profiling forward's end."""
-    return moments(tables, shared.concurrent if shared is not None else None)
+    if shared is None:
+        return moments(tables, None)
+    return moments(tables, shared.concurrent, shared.budget.plan_against)
 
 
 def _global_rank() -> int:

@@ -5,8 +5,8 @@ stages (and 2x2 with tensor parallelism or FSDP2), the stages of
 
 The budget is the rank's peak: the most bytes saved for backward alive at any
 moment of a whole schedule step, every micro-batch in flight and the schedule's
-``loss_fn`` included, measured here by ``StepPeak`` entered around each
-``schedule.step`` (unique storages, parameters apart, as ``SavedBytesCounter``
+``loss_fn`` included, measured here by ``PeakSavedBytes(whole_step=True)``
+entered around each ``schedule.step`` (unique storages, parameters apart, as ``SavedBytesCounter``
 counts them). Each stage plans at the
 end of its profiling step from what it measured there (nothing gathered across
 stages, so no deadlock with the pipeline's sends and receives), for the forwards
@@ -25,9 +25,8 @@ import remat_dist as remat
 from remat_dist._torch import TORCH_RELEASE
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
-from remat_dist.testing import DistContext, distributed
+from remat_dist.testing import DistContext, PeakSavedBytes, distributed
 from tests.budget._joint_check import joint_bounds, joint_optimum
-from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -86,7 +85,7 @@ def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_me
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
-    meter = StepPeak(module)
+    meter = PeakSavedBytes(module, whole_step=True)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp_group)
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=MICRO_BATCHES,
                                            loss_fn=loss_fn)
@@ -247,7 +246,7 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
             remat.apply_remat(m, blocks=Block, policy=policy)
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-    meter = StepPeak(*mods)  # the rank's peak
+    meter = PeakSavedBytes(*mods, whole_step=True)  # the rank's peak
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
     out = []
@@ -315,7 +314,7 @@ def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
             remat.apply_remat(m, blocks=Block, policy=policy)
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-    meter = StepPeak(*mods)
+    meter = PeakSavedBytes(*mods, whole_step=True)
     schedule = getattr(sch, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
     out = []
