@@ -13,7 +13,8 @@ one run so that the ratios compare on a noisy machine:
   plan.
 
 Bytes: the peak of every byte saved for backward over a whole step, the loss
-included (unique storages, parameters apart; ``tests/budget/_step_peak.py``),
+included (unique storages, parameters apart;
+``remat_dist.testing.PeakSavedBytes(whole_step=True)``),
 after warm-up; time: the median step (forward, loss, backward) in the process's
 CPU time on one thread (``--threads``), which other processes on shared cores do
 not inflate (``wall_ms``, the wall-clock median, is in the JSON).
@@ -40,9 +41,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
-from remat_dist._torch import _dynamo  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, make_batch  # noqa: E402
-from tests.budget._step_peak import StepPeak  # noqa: E402
+from remat_dist.testing import PeakSavedBytes  # noqa: E402
 
 
 def _gpt(args):
@@ -86,7 +86,7 @@ def _llama(args):
 def _measure(model, step, args) -> dict[str, Any]:
     """The peak over the timed steps and their median time (after ``--warmup``
     steps: the budget's profiling step and the compiles)."""
-    meter = StepPeak(model)
+    meter = PeakSavedBytes(model, whole_step=True)
     peak, times = 0, []
     for i in range(args.warmup + args.iters):
         for p in model.parameters():
@@ -108,7 +108,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
     options = {"fullgraph": name == "gpt"}
 
     def add(variant, model, **extra):
-        _dynamo.reset()
+        torch._dynamo.reset()
         row = {"model": name, "variant": variant, **_measure(model, step, args), **extra}
         rows.append(row)
         print(f"  {name:<6} {variant:<22} {row['saved_bytes'] / 2**20:8.2f} MiB "
@@ -121,8 +121,8 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
         b.compile(**options)
     base = add("compile no AC", m)
     for f in args.fractions:
-        _dynamo.reset()
-        with _dynamo.functorch_config_patch(activation_memory_budget=f):
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=f):
             cut = add(f"min-cut {f:g}", torch.compile(build()), fraction=f)
         budget = cut["saved_bytes"]
         m = build()

@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "assume_constant_result",
     "cache_size_limit",
+    "cache_size_limit_at_least",
     "functorch_config_patch",
     "reset",
     "set_cache_size_limit",
@@ -37,6 +38,13 @@ def cache_size_limit() -> int:
 
 def set_cache_size_limit(limit: int) -> None:
     torch._dynamo.config.cache_size_limit = limit
+
+
+def cache_size_limit_at_least(limit: int) -> Any:
+    """A context manager under which Dynamo keeps at least ``limit`` graphs per
+    code object (the budget's compiled side passes: one per candidate)."""
+    limit = max(limit, torch._dynamo.config.cache_size_limit)
+    return torch._dynamo.config.patch(cache_size_limit=limit)
 
 
 def functorch_config_patch(**changes: Any) -> Any:

@@ -90,6 +90,7 @@ from remat_dist.budget._joint import ModelTable, moments, peak_of, solve_jointly
 from remat_dist.budget._meter import StepMeter
 from remat_dist.budget._profile import (
     Candidate,
+    CompiledPricing,
     Counter,
     candidates,
     human,
@@ -160,6 +161,8 @@ class _Planner:
     after: int = 0  # most bytes saved after one forward of the step (the loss)
     profiling_now: bool = False  # the forward running now runs the side passes
     profiled: bool = False  # the side passes' table is complete
+    compiled: CompiledPricing | None = None
+    """With ``compile=``: prices the candidates compiled (the profiling forward)."""
     plan: BudgetPlan | None = None
     error: Exception | None = None
     handles: list[Any] = field(default_factory=list)
@@ -381,6 +384,8 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
         state.calls = [0 for _ in state.installer.blocks]
         state.step, state.in_flight, state.profiled = [], 0, False
         state.trained_tasks = set()
+        options = state.budget.compile
+        state.compiled = None if options is False else CompiledPricing(options)
         state.profiling_now = True
     if state.phase is BudgetPhase.PROFILING:
         state.records_before = {id(r) for r in state.installer.live_records()}
@@ -486,7 +491,10 @@ def _post(state: _Planner, args: Any, output: Any) -> None:
                 "them)."
             ))
             return
-        full = sum(row["full"][0] for row in state.table)
+        if state.compiled is not None:  # the forward ran the blocks eagerly
+            full = sum(state.compiled.eager_full.values())
+        else:
+            full = sum(row["full"][0] for row in state.table)
         state.outside = max(0, counter.total - full)
         state.profiled = True
     before = state.records_before
@@ -715,6 +723,7 @@ def _profiled(state: _Planner, index: int, run: Any) -> Any:
                 row = profile_block(
                     installer, index, state.candidates[index], args, kwargs,
                     params=state.params, repeats=state.budget.repeats,
+                    compiled=state.compiled,
                 )
             # a block called more than once per forward (shared weights): every
             # call saves and recomputes under the same decision, so the costs add

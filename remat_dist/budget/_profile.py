@@ -43,6 +43,7 @@ __all__ = [
     "MAX_BYTES",
     "MAX_REGIONS",
     "Candidate",
+    "CompiledPricing",
     "Counter",
     "candidates",
     "human",
@@ -266,13 +267,20 @@ def profile_block(
     *,
     params: set[Any],
     repeats: int,
+    compiled: CompiledPricing | None = None,
 ) -> dict[str, tuple[int, float]]:
     """``{decision: (saved bytes, recompute seconds)}`` of each candidate of block
     ``index`` of ``installer``, from side passes (their graphs dropped at once) on
     fresh copies of its tensor inputs, so that in-place updates of an input stay in
     the copy. When it returns, the RNG states and the block's buffers (its
     submodules' included: BatchNorm statistics, token counters) are as they were
-    before."""
+    before.
+
+    With ``compiled`` (the blocks will run compiled), the bytes are those the
+    compiled block saves: each candidate also runs compiled once per block
+    signature (:class:`CompiledPricing`), and its difference to the eager bytes
+    is added. The eager bytes of full recompute stay in ``compiled.eager_full``
+    (what the model's eager profiling forward saved for the block)."""
     name, module = installer.blocks[index]
     hooks = _rng_hooks(installer.state_hooks)
     snaps = [h.snapshot() for h in hooks]
@@ -299,6 +307,10 @@ def profile_block(
                         out = run(module, *a, **kw)
             del out, a, kw
             row[cand.label] = (count.total, 0.0)
+        if compiled is not None:
+            compiled.eager_full[index] = compiled.eager_full.get(index, 0) + row["full"][0]
+            deltas = compiled.deltas(installer, index, cands, args, kwargs, row, restore, params)
+            row = {label: (w + deltas[label], t) for label, (w, t) in row.items()}
         paths = sorted({p for c in cands for p in (c.regions or ())})
         block_s, region_s = _time_block(module, paths, restore, repeats)
     finally:
@@ -310,6 +322,79 @@ def profile_block(
             t = max(0.0, block_s - sum(region_s[p] for p in cand.regions))
         row[cand.label] = (row[cand.label][0], t)
     return row
+
+
+class CompiledPricing:
+    """What a block saves when compiled, for a budget with ``compile=``.
+
+    AOTAutograd's partitioner chooses what a compiled graph saves, and it need
+    not be what the eager candidate saves (torch 2.11 to 2.13 save the CPU
+    generator state of a checkpoint whose CPU attention is recomputed; a save
+    region's graph may keep fewer tensors). Each candidate runs compiled with
+    the budget's options on the block's inputs once per block signature (the
+    block's class, its parameters' and inputs' shapes and dtypes: the layers of
+    a transformer share one), its graph dropped at once; the difference to its
+    eager bytes is added to the eager bytes of every block of that signature.
+    One graph per candidate and signature is compiled for pricing, apart from
+    the graphs the blocks then run."""
+
+    def __init__(self, options: tuple[tuple[str, Any], ...]) -> None:
+        self.options = dict(options)
+        self.by_signature: dict[Any, dict[str, int]] = {}
+        self.eager_full: dict[int, int] = {}
+        self._call: Any = None
+
+    def deltas(
+        self, installer: BlockInstaller, index: int, cands: list[Candidate],
+        args: tuple, kwargs: dict, eager: dict[str, tuple[int, float]],
+        restore: Any, params: set[Any],
+    ) -> dict[str, int]:
+        name, module = installer.blocks[index]
+        sig = _signature(module, (args, kwargs))
+        known = self.by_signature.get(sig)
+        if known is not None:
+            return known
+        from remat_dist._torch import _dynamo
+
+        if self._call is None:
+            self._call = torch.compile(_compiled_side_pass, **self.options)
+        run = installer.runner(f"{name}[budget profile]")
+        out: dict[str, int] = {}
+        # one graph per candidate: the label is a guard (the save regions the
+        # side pass installs are module patches Dynamo does not guard on)
+        with _dynamo.cache_size_limit_at_least(8 + 2 * len(cands)):
+            for cand in cands:
+                a, kw = restore()
+                fn = call_block if cand.regions is None else run
+                with Counter(params, chain=False) as count:
+                    if cand.regions is None:
+                        got = self._call(fn, module, cand.label, a, kw)
+                    else:
+                        with installer.regions_kept(index, cand.regions):
+                            got = self._call(fn, module, cand.label, a, kw)
+                del got, a, kw
+                out[cand.label] = count.total - eager[cand.label][0]
+        self.by_signature[sig] = out
+        return out
+
+
+def _compiled_side_pass(fn: Any, module: nn.Module, label: str, args: tuple, kwargs: dict) -> Any:
+    if label == "":  # never true: makes Dynamo guard on the label
+        raise AssertionError("a candidate without a label")
+    return fn(module, *args, **kwargs)
+
+
+def _signature(module: nn.Module, inputs: Any) -> Any:
+    def meta(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+        return type(t).__name__
+
+    return (
+        type(module),
+        tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()),
+        tuple(meta(x) for x in tree_leaves(inputs)),
+    )
 
 
 def _snapshot_buffers(module: nn.Module) -> list[list[Any]]:
