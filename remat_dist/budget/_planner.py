@@ -66,6 +66,7 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -840,6 +841,7 @@ def _plan_shared(states: list[_Planner]) -> None:
         ))
     per_forward = [p.predicted_bytes for p in plans]
     joint = peak_of(per_forward, concurrent)
+    _note_cheaper(plans, per_forward, concurrent, joint)
     for state, plan in zip(states, plans):
         plan.shared_by = len(states)
         plan.rank_peak_bytes = joint
@@ -863,6 +865,28 @@ def _plan_shared(states: list[_Planner]) -> None:
         )
         log.info("MemoryBudget plan for %s%s, applied from now on:\n%s",
                  stage_name(state), shared, plan.format())
+
+
+def _note_cheaper(
+    plans: list[BudgetPlan], per_forward: list[int],
+    concurrent: list[tuple[int, ...]], joint: int,
+) -> None:
+    """Per block that recomputes, the option of less recompute that adds
+    fewest bytes to the rank's peak (``BlockPlan.cheaper``), the other blocks
+    as planned: what the plan line shows where budget is left unused."""
+    for m, plan in enumerate(plans):
+        for i, block in enumerate(plan.blocks):
+            best = None
+            for label, (w, t) in block.candidates.items():
+                if t >= block.time_s:
+                    continue
+                bytes_now = list(per_forward)
+                bytes_now[m] += w - block.bytes
+                more = peak_of(bytes_now, concurrent) - joint
+                if best is None or (more, t) < (best[2], block.time_s - best[1]):
+                    best = (label, block.time_s - t, more)
+            if best is not None:
+                plan.blocks[i] = dataclasses.replace(block, cheaper=best)
 
 
 def _concurrent(shared: _Shared | None, tables: list[ModelTable]) -> list[tuple[int, ...]]:
