@@ -576,7 +576,10 @@ def _hook_parameters(state: _Planner, output: Any) -> None:
     """Mark every backward that accumulates into a parameter this forward used
     (a pre-hook on its ``AccumulateGrad`` node, which ``autograd.grad`` for the
     inputs does not run)."""
-    seen: set[int] = set()
+    # the nodes held while walking: on torch 2.11/2.12 a node's Python object
+    # lives only while referenced, and a dropped one's id comes back as another
+    # node's (the walk would skip it, and find no parameter)
+    seen: dict[int, Any] = {}
     todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
     hooks = state.grad_hooks
 
@@ -587,7 +590,7 @@ def _hook_parameters(state: _Planner, output: Any) -> None:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if hasattr(node, "variable"):  # AccumulateGrad
             if id(node) not in hooks:
                 hooks[id(node)] = (node, node.register_prehook(trained))

@@ -47,15 +47,6 @@ pytest.importorskip(
 )
 
 
-
-
-_OVER_ON_2_12 = pytest.mark.xfail(
-    TORCH_RELEASE == (2, 12),
-    reason="on torch 2.12 the whole-step peak of these schedules exceeds the budget "
-    "(the loss window misses what 2.12's schedules save: docs/torch_versions.md)",
-    strict=True,
-)
-
 def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
     per = CONFIG.n_layers // 2
     torch.manual_seed(0)
@@ -151,7 +142,7 @@ def _check_optimal(plan) -> None:
 
 
 @pytest.mark.parametrize(
-    "schedule_name", ["Schedule1F1B", pytest.param("ScheduleGPipe", marks=_OVER_ON_2_12)]
+    "schedule_name", ["Schedule1F1B", "ScheduleGPipe"]
 )
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
@@ -293,7 +284,6 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
     return out, mods
 
 
-@_OVER_ON_2_12
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages, one MemoryBudget
@@ -366,7 +356,6 @@ def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
     reason="the V-shaped schedules on 2 ranks need torch 2.12 (on 2.11 gloo fails: "
     "Pair is not connected)",
 )
-@_OVER_ON_2_12
 @pytest.mark.parametrize("schedule_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=240)
 def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name):
