@@ -17,12 +17,17 @@ class BlockPlan:
 
     Attributes:
         name: the block's qualified name.
-        decision: ``"full"``, ``"none"`` (no checkpoint) or ``"save a+b"`` (the
-            checkpoint keeps submodules ``a`` and ``b`` as save regions).
+        decision: ``"full"``, ``"none"`` (no checkpoint), ``"save a+b"`` (the
+            checkpoint keeps submodules ``a`` and ``b`` as save regions) or,
+            compiled with inductor, ``"min-cut 0.5"`` (no checkpoint; the block
+            compiled with torch's min-cut partitioner at that
+            ``activation_memory_budget``, which chooses the ops it recomputes).
         regions: the policy dict it stands for (``{}`` for full, None for none).
         bytes: saved bytes of this decision, maximum over ranks.
         time_s: recompute time of this decision in backward, maximum over ranks.
         candidates: ``{decision: (bytes, time_s)}`` of every candidate measured.
+        memory_budget: the ``activation_memory_budget`` the block is compiled
+            at (a ``"min-cut"`` decision), else None.
         cheaper: why the plan did not take an option of less recompute for this
             block: ``(decision, seconds of recompute it would save, bytes it
             would add to the rank's peak)`` for the one of those options that
@@ -37,6 +42,7 @@ class BlockPlan:
     time_s: float
     candidates: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
     cheaper: tuple[str, float, int] | None = field(default=None, repr=False)
+    memory_budget: float | None = None
 
 
 @dataclass

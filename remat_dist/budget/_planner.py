@@ -94,7 +94,9 @@ from remat_dist.budget._profile import (
     CompiledPricing,
     Counter,
     candidates,
+    compile_options,
     human,
+    min_cut_candidates,
     param_keys,
     profile_block,
 )
@@ -205,6 +207,8 @@ def prepare(
     ``apply_remat`` has checkpointed every block with full recompute."""
     blocks = installer.blocks
     cands = [candidates(name, module, budget.regions) for name, module in blocks]
+    if budget.compile is not False:  # compiled, min-cut may choose within a block
+        cands = [cs + min_cut_candidates(budget.compile) for cs in cands]
     owners: dict[int, str] = {}
     for (name, module), cs in zip(blocks, cands):
         for path in sorted({p for c in cs for p in (c.regions or ())}):
@@ -828,6 +832,7 @@ def _plan_shared(states: list[_Planner]) -> None:
             blocks.append(BlockPlan(
                 name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
                 candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
+                memory_budget=cand.memory_budget,
             ))
         predicted = table.fixed + sum(b.bytes for b in blocks)
         plans.append(BudgetPlan(
@@ -966,5 +971,5 @@ def _install_plan(state: _Planner) -> None:
     if options is not False:
         # after the plan: each block compiles once, with its checkpoint and
         # save regions as planned (the profiling step ran eagerly)
-        for _, module in state.installer.blocks:
-            module.compile(**dict(options))
+        for bp, (_, module) in zip(plan.blocks, state.installer.blocks):
+            module.compile(**compile_options(options, bp.memory_budget))

@@ -42,11 +42,14 @@ __all__ = [
     "DEFAULT_REGION_NAMES",
     "MAX_BYTES",
     "MAX_REGIONS",
+    "MIN_CUT_FRACTIONS",
     "Candidate",
     "CompiledPricing",
     "Counter",
     "candidates",
+    "compile_options",
     "human",
+    "min_cut_candidates",
     "param_keys",
     "parse_bytes",
     "profile_block",
@@ -210,6 +213,57 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class Candidate:
     label: str
     regions: tuple[str, ...] | None  # None: no checkpoint; (): full recompute
+    memory_budget: float | None = None
+    """Compiled only: no checkpoint, the block compiled with AOTAutograd's
+    min-cut partitioner at this ``activation_memory_budget`` (it chooses the
+    ops to recompute within the block)."""
+
+
+MIN_CUT_FRACTIONS = (0.25, 0.5, 0.75)
+"""The ``activation_memory_budget`` levels a compiled block is priced at
+(candidates ``"min-cut 0.25"`` ...), with inductor."""
+
+
+def min_cut_candidates(options: tuple[tuple[str, Any], ...]) -> list[Candidate]:
+    """The per-block min-cut candidates for ``MemoryBudget(compile=options)``:
+    with inductor (the default backend) and neither ``mode`` nor ``options``
+    (a backend given as a callable takes neither); none otherwise (other
+    backends do not partition by a memory budget)."""
+    given = dict(options)
+    if given.get("backend", "inductor") != "inductor" or "mode" in given or "options" in given:
+        return []
+    return [Candidate(f"min-cut {f:g}", None, f) for f in MIN_CUT_FRACTIONS]
+
+
+def compile_options(options: tuple[tuple[str, Any], ...], memory_budget: float | None) -> dict[str, Any]:
+    """``torch.compile`` options for a block: the budget's, and for a min-cut
+    candidate inductor under that ``activation_memory_budget``."""
+    out = dict(options)
+    if memory_budget is not None:
+        out["backend"] = _min_cut_backend(memory_budget)
+    return out
+
+
+_BACKENDS: dict[float, Any] = {}
+
+
+def _min_cut_backend(fraction: float) -> Any:
+    """Inductor compiling under ``activation_memory_budget=fraction``; one
+    object per fraction (blocks at one fraction share Dynamo's graphs, blocks
+    at another do not)."""
+    backend = _BACKENDS.get(fraction)
+    if backend is None:
+        from remat_dist._torch import _dynamo
+
+        inductor = torch._dynamo.lookup_backend("inductor")
+
+        def backend(gm: Any, example_inputs: Any) -> Any:
+            with _dynamo.functorch_config_patch(activation_memory_budget=fraction):
+                return inductor(gm, example_inputs)
+
+        backend.__name__ = f"inductor_min_cut_{fraction:g}"
+        _BACKENDS[fraction] = backend
+    return backend
 
 
 def candidates(name: str, block: nn.Module, regions: Sequence[str] | None) -> list[Candidate]:
@@ -298,6 +352,8 @@ def profile_block(
     try:
         run = installer.runner(f"{name}[budget profile]")
         for cand in cands:
+            if cand.memory_budget is not None:
+                continue  # compiled only: priced below, from "none"
             a, kw = restore()
             with Counter(params, chain=False) as count:
                 if cand.regions is None:
@@ -307,10 +363,15 @@ def profile_block(
                         out = run(module, *a, **kw)
             del out, a, kw
             row[cand.label] = (count.total, 0.0)
+        for cand in cands:
+            if cand.memory_budget is not None:
+                row[cand.label] = row["none"]
         if compiled is not None:
             compiled.eager_full[index] = compiled.eager_full.get(index, 0) + row["full"][0]
-            deltas = compiled.deltas(installer, index, cands, args, kwargs, row, restore, params)
-            row = {label: (w + deltas[label], t) for label, (w, t) in row.items()}
+            deltas, times = compiled.measure(
+                installer, index, cands, args, kwargs, row, restore, params, repeats)
+            row = {label: (w + deltas[label], times[label]) for label, (w, t) in row.items()}
+            return row
         paths = sorted({p for c in cands for p in (c.regions or ())})
         block_s, region_s = _time_block(module, paths, restore, repeats)
     finally:
@@ -325,30 +386,44 @@ def profile_block(
 
 
 class CompiledPricing:
-    """What a block saves when compiled, for a budget with ``compile=``.
+    """What a block saves and recomputes when compiled, for a budget with
+    ``compile=``.
 
-    AOTAutograd's partitioner chooses what a compiled graph saves, and it need
-    not be what the eager candidate saves (torch 2.11 to 2.13 save the CPU
-    generator state of a checkpoint whose CPU attention is recomputed; a save
-    region's graph may keep fewer tensors). Each candidate runs compiled with
-    the budget's options on the block's inputs once per block signature (the
+    AOTAutograd's partitioner chooses what a compiled graph saves and
+    recomputes, and it need not be what the eager candidate does (torch 2.11
+    to 2.13 save the CPU generator state of a checkpoint whose CPU attention is
+    recomputed; a save region's graph may keep fewer tensors; a min-cut
+    candidate exists only compiled). Each candidate runs compiled with the
+    budget's options on the block's inputs once per block signature (the
     block's class, its parameters' and inputs' shapes and dtypes: the layers of
-    a transformer share one), its graph dropped at once; the difference to its
-    eager bytes is added to the eager bytes of every block of that signature.
-    One graph per candidate and signature is compiled for pricing, apart from
-    the graphs the blocks then run."""
+    a transformer share one), its graph dropped at once: the difference of its
+    bytes to the eager ones is added to the eager bytes of every block of that
+    signature. Its recompute time is what its compiled forward and backward
+    (gradients returned, not accumulated) take beyond those of ``"none"``, the
+    least of ``3 * repeats`` timed runs (after one that compiles). One graph per candidate and signature is
+    compiled for pricing, apart from the graphs the blocks then run."""
 
     def __init__(self, options: tuple[tuple[str, Any], ...]) -> None:
-        self.options = dict(options)
-        self.by_signature: dict[Any, dict[str, int]] = {}
+        self.options = options
+        self.by_signature: dict[Any, tuple[dict[str, int], dict[str, float]]] = {}
         self.eager_full: dict[int, int] = {}
-        self._call: Any = None
+        self._calls: dict[float | None, Any] = {}
 
-    def deltas(
+    def _call(self, memory_budget: float | None) -> Any:
+        call = self._calls.get(memory_budget)
+        if call is None:
+            call = torch.compile(_compiled_side_pass,
+                                 **compile_options(self.options, memory_budget))
+            self._calls[memory_budget] = call
+        return call
+
+    def measure(
         self, installer: BlockInstaller, index: int, cands: list[Candidate],
         args: tuple, kwargs: dict, eager: dict[str, tuple[int, float]],
-        restore: Any, params: set[Any],
-    ) -> dict[str, int]:
+        restore: Any, params: set[Any], repeats: int,
+    ) -> tuple[dict[str, int], dict[str, float]]:
+        """``({decision: compiled bytes - eager bytes}, {decision: recompute
+        seconds compiled})`` of block ``index``'s candidates."""
         name, module = installer.blocks[index]
         sig = _signature(module, (args, kwargs))
         known = self.by_signature.get(sig)
@@ -356,26 +431,48 @@ class CompiledPricing:
             return known
         from remat_dist._torch import _dynamo
 
-        if self._call is None:
-            self._call = torch.compile(_compiled_side_pass, **self.options)
         run = installer.runner(f"{name}[budget profile]")
-        out: dict[str, int] = {}
+        deltas: dict[str, int] = {}
+        spent: dict[str, float] = {}
+        weights = [p for p in module.parameters() if p.requires_grad]
+
+        def once(cand: Candidate, timed: bool) -> tuple[int, float]:
+            a, kw = restore()
+            call = self._call(cand.memory_budget)
+            fn = call_block if cand.regions is None else run
+            clock = time.process_time
+            t0 = clock()
+            with Counter(params, chain=False) as count:
+                if cand.regions is None:
+                    out = call(fn, module, cand.label, a, kw)
+                else:
+                    with installer.regions_kept(index, cand.regions):
+                        out = call(fn, module, cand.label, a, kw)
+            if timed:
+                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                        and t.requires_grad]
+                wrt = [t for t in tree_leaves((a, kw)) if isinstance(t, torch.Tensor)
+                       and t.requires_grad and t.is_leaf] + weights
+                if outs and wrt:
+                    torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs],
+                                        allow_unused=True)
+            took = clock() - t0
+            del out, a, kw
+            return count.total, took
+
         # one graph per candidate: the label is a guard (the save regions the
         # side pass installs are module patches Dynamo does not guard on)
         with _dynamo.cache_size_limit_at_least(8 + 2 * len(cands)):
             for cand in cands:
-                a, kw = restore()
-                fn = call_block if cand.regions is None else run
-                with Counter(params, chain=False) as count:
-                    if cand.regions is None:
-                        got = self._call(fn, module, cand.label, a, kw)
-                    else:
-                        with installer.regions_kept(index, cand.regions):
-                            got = self._call(fn, module, cand.label, a, kw)
-                del got, a, kw
-                out[cand.label] = count.total - eager[cand.label][0]
-        self.by_signature[sig] = out
-        return out
+                total, _ = once(cand, timed=False)  # compiles it
+                deltas[cand.label] = total - eager[cand.label][0]
+                # a compiled block's step is short: thrice the timed runs
+                spent[cand.label] = min(once(cand, timed=True)[1] for _ in range(3 * repeats))
+        base = spent.get("none", 0.0)
+        times = {label: 0.0 if label == "none" else max(0.0, t - base)
+                 for label, t in spent.items()}
+        self.by_signature[sig] = (deltas, times)
+        return deltas, times
 
 
 def _compiled_side_pass(fn: Any, module: nn.Module, label: str, args: tuple, kwargs: dict) -> Any:
