@@ -400,7 +400,8 @@ class CompiledPricing:
     bytes to the eager ones is added to the eager bytes of every block of that
     signature. Its recompute time is what its compiled forward and backward
     (gradients returned, not accumulated) take beyond those of ``"none"``, the
-    least of ``3 * repeats`` timed runs (after one that compiles). One graph per candidate and signature is
+    least of ``5 * repeats`` timed runs (after those that compile), the
+    candidates timed in turn. One graph per candidate and signature is
     compiled for pricing, apart from the graphs the blocks then run."""
 
     def __init__(self, options: tuple[tuple[str, Any], ...]) -> None:
@@ -466,8 +467,13 @@ class CompiledPricing:
             for cand in cands:
                 total, _ = once(cand, timed=False)  # compiles it
                 deltas[cand.label] = total - eager[cand.label][0]
-                # a compiled block's step is short: thrice the timed runs
-                spent[cand.label] = min(once(cand, timed=True)[1] for _ in range(3 * repeats))
+                once(cand, timed=True)  # compiles its backward
+            # a compiled block's step is short: five times the timed runs, the
+            # candidates in turn (a busy machine slows them alike)
+            for _ in range(5 * repeats):
+                for cand in cands:
+                    took = once(cand, timed=True)[1]
+                    spent[cand.label] = min(spent.get(cand.label, took), took)
         base = spent.get("none", 0.0)
         times = {label: 0.0 if label == "none" else max(0.0, t - base)
                  for label, t in spent.items()}
