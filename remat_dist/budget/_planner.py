@@ -21,7 +21,11 @@ The life of a model under a budget (one state object on the model, see
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
    profiling forward runs under a counter too (chained to any saved-tensor hooks of
-   the caller), which gives the bytes saved outside the blocks; after each
+   the caller), which gives the bytes saved outside the blocks. With
+   ``compile=`` every candidate also runs compiled once per block signature,
+   for the bytes and recompute time of the compiled block
+   (``_profile.CompiledPricing``; with inductor, min-cut levels per block
+   too); after each
    forward of the step an after-forward window (``_after``) counts what is saved
    until the next forward: the loss.
 3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
@@ -686,9 +690,11 @@ def _check_measured(state: _Planner, total: int, args: Any) -> None:
     elif state.budget.compile is not False and total > forward:
         cause = (
             f"the compiled blocks save {human(total - forward)} more per forward "
-            "than the eager candidates the plan measured (AOTAutograd's "
-            "partitioner chooses what a compiled graph saves). Fix: a budget "
-            f"smaller by {plan.in_flight} x that excess."
+            "than the plan priced from the compiled side passes of the "
+            "profiling step (one per candidate and block signature: a block "
+            "that compiles otherwise than the first of its signature, say "
+            "through a graph break only it has?). Fix: a budget smaller by "
+            f"{plan.in_flight} x that excess."
         )
     else:
         cause = (
