@@ -288,6 +288,47 @@ def test_shared_budget_plans_two_models_jointly():
         assert set(pa.decisions().values()) | set(pb.decisions().values()) != {"none"}
 
 
+def _apart(a, b, x):
+    """Two forwards of a alive at once; after the first one's backward, one of
+    b and its backward; then the second one's: a's 2 never meet b's 1."""
+    first, second = a(x), a(x + 1)
+    F.mse_loss(first, torch.zeros_like(first)).backward()
+    out = b(x)
+    F.mse_loss(out, torch.zeros_like(out)).backward()
+    F.mse_loss(second, torch.zeros_like(second)).backward()
+
+
+@pytest.mark.parametrize("plan_against", ["peak", "sum"])
+def test_shared_budget_plans_against_the_peak_or_the_sum(plan_against):
+    """Models sharing a budget whose own peaks never coincide (a keeps 2
+    forwards alive, b 1 while a keeps 1): planned against the measured peak,
+    the moments are (2, 0) and (1, 1); with ``plan_against="sum"``, both at
+    their own peak at once, (2, 1), the predicted rank peak the sum of their
+    own peaks. Either way the measured peak of a step fits the prediction."""
+    x = torch.randn(8, 16)
+    budget = 10**9
+    policy = remat.MemoryBudget(bytes=budget, plan_against=plan_against)
+    a, b = _two_models(policy)
+    _apart(a, b, x)
+    pa, pb = remat.budget.current_plan(a), remat.budget.current_plan(b)
+    assert (pa.in_flight, pb.in_flight) == (2, 1)
+    if plan_against == "sum":
+        assert pa.concurrent == ((2, 1),)
+        assert pa.rank_peak_bytes == pa.sum_bound_bytes
+    else:
+        assert set(pa.concurrent) == {(2, 0), (1, 1)}
+        assert pa.rank_peak_bytes < pa.sum_bound_bytes
+    meter = PeakSavedBytes(a, b, whole_step=True)
+    with meter:
+        _apart(a, b, x)
+    assert meter.peak <= pa.rank_peak_bytes <= budget
+
+
+def test_plan_against_is_checked():
+    with pytest.raises(remat.RematUsageError, match="'peak'.*'sum'"):
+        remat.MemoryBudget(bytes=1, plan_against="max")
+
+
 def test_shared_budget_too_small_names_every_model():
     """Below the two models' peaks at full recompute together (each alone would
     fit): the error, at the end of the profiling step, names both models, their
