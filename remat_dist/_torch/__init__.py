@@ -149,6 +149,7 @@ _CORE = (
     "torch._dynamo.assume_constant_result",
     "torch._dynamo.config.cache_size_limit",
     "torch._dynamo.config.patch",
+    "torch._dynamo.lookup_backend",
     "torch._functorch.config.patch",
     # _cuda (Python side, present in every build)
     "torch.cuda.memory._snapshot",

@@ -255,7 +255,7 @@ def _min_cut_backend(fraction: float) -> Any:
     if backend is None:
         from remat_dist._torch import _dynamo
 
-        inductor = torch._dynamo.lookup_backend("inductor")
+        inductor = _dynamo.lookup_backend("inductor")
 
         def backend(gm: Any, example_inputs: Any) -> Any:
             with _dynamo.functorch_config_patch(activation_memory_budget=fraction):
