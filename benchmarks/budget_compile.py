@@ -7,13 +7,17 @@ one run so that the ratios compare on a noisy machine:
 * ``compile no AC``: every block compiled (inductor), no checkpointing;
 * ``min-cut <f>``: ``torch.compile(model)`` with torch's
   ``activation_memory_budget = f`` (the min-cut partitioner chooses what to
-  save); its measured bytes are the matched level for the next row;
+  save); its measured bytes are the matched level for the ``MemoryBudget`` row;
+* ``min-cut <f> blocks``: the same level with the budget's compile scope, each
+  block compiled and the code around them (embedding, head, loss) eager;
 * ``MemoryBudget <f>``: ``MemoryBudget(bytes=<min-cut's bytes>,
-  compile=...)``: eager profiling step, then each block compiled once with the
-  plan.
+  compile=...)``: eager profiling step pricing every candidate compiled (with
+  inductor also each block at a min-cut level of its own), then each block
+  compiled once with the plan.
 
 Bytes: the peak of every byte saved for backward over a whole step, the loss
-included (unique storages, parameters apart; ``tests/budget/_step_peak.py``),
+included (unique storages, parameters apart;
+``remat_dist.testing.PeakSavedBytes(whole_step=True)``),
 after warm-up; time: the median step (forward, loss, backward) in the process's
 CPU time on one thread (``--threads``), which other processes on shared cores do
 not inflate (``wall_ms``, the wall-clock median, is in the JSON).
@@ -40,9 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
-from remat_dist._torch import _dynamo  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, make_batch  # noqa: E402
-from tests.budget._step_peak import StepPeak  # noqa: E402
+from remat_dist.testing import PeakSavedBytes  # noqa: E402
 
 
 def _gpt(args):
@@ -86,7 +89,7 @@ def _llama(args):
 def _measure(model, step, args) -> dict[str, Any]:
     """The peak over the timed steps and their median time (after ``--warmup``
     steps: the budget's profiling step and the compiles)."""
-    meter = StepPeak(model)
+    meter = PeakSavedBytes(model, whole_step=True)
     peak, times = 0, []
     for i in range(args.warmup + args.iters):
         for p in model.parameters():
@@ -108,7 +111,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
     options = {"fullgraph": name == "gpt"}
 
     def add(variant, model, **extra):
-        _dynamo.reset()
+        torch._dynamo.reset()
         row = {"model": name, "variant": variant, **_measure(model, step, args), **extra}
         rows.append(row)
         print(f"  {name:<6} {variant:<22} {row['saved_bytes'] / 2**20:8.2f} MiB "
@@ -121,9 +124,17 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
         b.compile(**options)
     base = add("compile no AC", m)
     for f in args.fractions:
-        _dynamo.reset()
-        with _dynamo.functorch_config_patch(activation_memory_budget=f):
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=f):
             cut = add(f"min-cut {f:g}", torch.compile(build()), fraction=f)
+        # the same partitioner at the same level with the budget's compile
+        # scope: each block compiled, the code around them eager
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=f):
+            m = build()
+            for b in blocks_of(m):
+                b.compile(**options)
+            add(f"min-cut {f:g} blocks", m, fraction=f)
         budget = cut["saved_bytes"]
         m = build()
         with warnings.catch_warnings():
@@ -141,6 +152,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
             print(f"  {name:<6} MemoryBudget {f:g}: infeasible, smallest "
                   f"{smallest / 2**20:.2f} MiB", file=sys.stderr, flush=True)
             continue
+        ours["decisions"] = list(remat.budget.current_plan(m).decisions().values())
         ours["x_min_cut"] = ours["time_ms"] / cut["time_ms"]
         ours["within_budget"] = ours["saved_bytes"] <= budget
     for r in rows:
@@ -151,7 +163,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
 
 def format_table(rows) -> str:
     head = (f"{'model':<6} {'variant':<20} {'saved MiB':>10} {'time ms':>9} "
-            f"{'x compile':>10} {'x min-cut':>10}")
+            f"{'x compile':>10} {'x min-cut':>10}  plan")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("infeasible"):
@@ -160,8 +172,9 @@ def format_table(rows) -> str:
                          f"(min-cut kept {r['budget_bytes'] / 2**20:.2f} MiB)")
             continue
         cut = f"{r['x_min_cut']:10.2f}" if "x_min_cut" in r else " " * 10
+        plan = f"  {', '.join(r['decisions'])}" if "decisions" in r else ""
         lines.append(f"{r['model']:<6} {r['variant']:<20} {r['saved_bytes'] / 2**20:10.2f} "
-                     f"{r['time_ms']:9.1f} {r['x_compile_no_ac']:10.2f} {cut}")
+                     f"{r['time_ms']:9.1f} {r['x_compile_no_ac']:10.2f} {cut}{plan}")
     return "\n".join(lines)
 
 

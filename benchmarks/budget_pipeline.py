@@ -59,10 +59,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
-from remat_dist.budget import _joint  # noqa: E402
 from remat_dist.distributed import all_gather_objects  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, GPTStage, make_batch  # noqa: E402
-from tests.budget._step_peak import StepPeak  # noqa: E402
+from remat_dist.testing import PeakSavedBytes  # noqa: E402
 
 
 def _loss(logits, targets):
@@ -82,7 +81,7 @@ def _run(args, rank, schedule_name, policy, config):
     )
     if policy is not None:
         remat.apply_remat(module, blocks=Block, policy=policy)
-    meter = StepPeak(module)
+    meter = PeakSavedBytes(module, whole_step=True)
     pipe = PipelineStage(module, rank, 2, torch.device("cpu"))
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=args.micro, loss_fn=_loss)
     peak, step_s = _time_steps(args, rank, config, schedule, [module], meter)
@@ -111,7 +110,7 @@ def _run_interleaved(args, rank, policies, config):
             remat.apply_remat(m, blocks=Block, policy=policies[k])
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu")))
-    meter = StepPeak(*mods)
+    meter = PeakSavedBytes(*mods, whole_step=True)
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=args.micro, loss_fn=_loss)
     peak, step_s = _time_steps(args, rank, config, schedule, mods, meter)
     return peak, step_s, mods
@@ -162,10 +161,9 @@ def _interleaved_rows(args, rank, config):
         budget = int(lo + frac * (hi - lo))
         shared = remat.MemoryBudget(bytes=budget)
         halves = (remat.MemoryBudget(bytes=budget // 2), remat.MemoryBudget(bytes=budget // 2))
-        summed = remat.MemoryBudget(bytes=budget)
+        summed = remat.MemoryBudget(bytes=budget, plan_against="sum")
         for variant, policies in (("shared", (shared, shared)), ("sum", (summed, summed)),
                                   ("split", halves)):
-            _joint.PLAN_AGAINST = "sum" if variant == "sum" else "peak"
             try:
                 peak, step, mods = _run_interleaved(args, rank, policies, config)
             except Exception as e:  # a half too small for its stage

@@ -150,6 +150,8 @@ _CORE = (
     "torch._dynamo.reset",
     "torch._dynamo.assume_constant_result",
     "torch._dynamo.config.cache_size_limit",
+    "torch._dynamo.config.patch",
+    "torch._dynamo.lookup_backend",
     "torch._functorch.config.patch",
     # _cuda (Python side, present in every build)
     "torch.cuda.memory._snapshot",

@@ -1,5 +1,6 @@
 """Dynamo's private pieces: its process-wide reset, constant folding at trace time,
-its recompile limit, and functorch's config (the benchmarks)."""
+its recompile limit, its backends by name, and functorch's config (the
+benchmarks, the compiled memory budget)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 __all__ = [
     "assume_constant_result",
     "cache_size_limit",
+    "cache_size_limit_at_least",
     "functorch_config_patch",
+    "lookup_backend",
     "reset",
     "set_cache_size_limit",
 ]
@@ -37,6 +40,18 @@ def cache_size_limit() -> int:
 
 def set_cache_size_limit(limit: int) -> None:
     torch._dynamo.config.cache_size_limit = limit
+
+
+def cache_size_limit_at_least(limit: int) -> Any:
+    """A context manager under which Dynamo keeps at least ``limit`` graphs per
+    code object (the budget's compiled side passes: one per candidate)."""
+    limit = max(limit, torch._dynamo.config.cache_size_limit)
+    return torch._dynamo.config.patch(cache_size_limit=limit)
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """The compiler function ``torch.compile(backend=name)`` uses."""
+    return torch._dynamo.lookup_backend(name)
 
 
 def functorch_config_patch(**changes: Any) -> Any:

@@ -96,6 +96,15 @@ class MemoryBudget:
     sorted tuple of ``(option, value)`` pairs, or ``False``. The blocks run
     eagerly in the profiling step."""
 
+    plan_against: str = "peak"
+    """For models sharing the budget (one object given to a rank's stage
+    modules): ``"peak"`` plans against the forwards of each model alive at
+    once at the moments the profiling step showed (the rank's measured
+    concurrent peak); ``"sum"`` against every model at its own peak at once,
+    an upper bound that also holds for a schedule whose later steps overlap
+    the models' forwards otherwise than the profiling step did (more
+    recompute). Alike for a budget of one model."""
+
     def __post_init__(self) -> None:
         try:
             value = parse_bytes(self.bytes)
@@ -137,6 +146,12 @@ class MemoryBudget:
             raise RematUsageError(
                 f"remat_dist.MemoryBudget(compile={self.compile!r}): must be True, False "
                 "or a mapping of torch.compile options, e.g. {'fullgraph': True}."
+            )
+        if self.plan_against not in ("peak", "sum"):
+            raise RematUsageError(
+                f"remat_dist.MemoryBudget(plan_against={self.plan_against!r}): must be "
+                "'peak' (the concurrent peak the profiling step measured) or 'sum' "
+                "(every model sharing the budget at its own peak at once)."
             )
         if not isinstance(self.measure_peak, bool):
             raise RematUsageError(

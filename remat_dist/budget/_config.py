@@ -17,12 +17,22 @@ class BlockPlan:
 
     Attributes:
         name: the block's qualified name.
-        decision: ``"full"``, ``"none"`` (no checkpoint) or ``"save a+b"`` (the
-            checkpoint keeps submodules ``a`` and ``b`` as save regions).
+        decision: ``"full"``, ``"none"`` (no checkpoint), ``"save a+b"`` (the
+            checkpoint keeps submodules ``a`` and ``b`` as save regions) or,
+            compiled with inductor, ``"min-cut 0.5"`` (no checkpoint; the block
+            compiled with torch's min-cut partitioner at that
+            ``activation_memory_budget``, which chooses the ops it recomputes).
         regions: the policy dict it stands for (``{}`` for full, None for none).
         bytes: saved bytes of this decision, maximum over ranks.
         time_s: recompute time of this decision in backward, maximum over ranks.
         candidates: ``{decision: (bytes, time_s)}`` of every candidate measured.
+        memory_budget: the ``activation_memory_budget`` the block is compiled
+            at (a ``"min-cut"`` decision), else None.
+        cheaper: why the plan did not take an option of less recompute for this
+            block: ``(decision, seconds of recompute it would save, bytes it
+            would add to the rank's peak)`` for the one of those options that
+            needs fewest bytes (more than the budget has left, or the plan
+            would have taken it); None when the block recomputes nothing.
     """
 
     name: str
@@ -31,6 +41,8 @@ class BlockPlan:
     bytes: int
     time_s: float
     candidates: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)
+    cheaper: tuple[str, float, int] | None = field(default=None, repr=False)
+    memory_budget: float | None = None
 
 
 @dataclass
@@ -94,8 +106,16 @@ class BudgetPlan:
         """``{block name: decision}``."""
         return {b.name: b.decision for b in self.blocks}
 
+    @property
+    def left_bytes(self) -> int:
+        """The budget the plan leaves unused at the rank's predicted peak."""
+        return self.budget - (self.rank_peak_bytes or self.predicted_peak_bytes
+                              or self.predicted_bytes)
+
     def format(self) -> str:
-        """A few lines for logs: budget, totals, one line per block."""
+        """A few lines for logs: budget, totals, one line per block; where a
+        block recomputes, why an option of less recompute was not taken (it
+        needs more bytes than the budget has left)."""
         head = (
             f"budget {human(self.budget)}: predicted peak "
             f"{human(self.predicted_peak_bytes or self.predicted_bytes)} per rank = "
@@ -111,8 +131,16 @@ class BudgetPlan:
                 f"predicted rank peak {human(self.rank_peak_bytes)} (their own peaks "
                 f"summed: {human(self.sum_bound_bytes)})"
             )
-        rows = [
-            f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
-            for b in self.blocks
-        ]
+        head += f"; {human(self.left_bytes)} of the budget left"
+        rows = []
+        for b in self.blocks:
+            row = f"  {b.name}: {b.decision:<18} {human(b.bytes):>10} {b.time_s * 1e3:8.3f} ms"
+            if b.cheaper is not None:
+                label, saved_s, more = b.cheaper
+                row += (
+                    f"  ({label!r} instead would save {saved_s * 1e3:.3f} ms of "
+                    f"recompute but need {human(more)} more than the "
+                    f"{human(self.left_bytes)} left)"
+                )
+            rows.append(row)
         return "\n".join([head, *rows])

@@ -49,11 +49,6 @@ MAX_COMBINATIONS = 1_000_000
 """Most combinations of the models' frontiers tried for several concurrent
 counts (past it: the sum bound)."""
 
-PLAN_AGAINST = "peak"
-"""``"peak"``: the concurrent counts observed; ``"sum"``: the vector of each
-model's own peak count (every model at its peak at once), an upper bound kept
-for comparison (``benchmarks/budget_pipeline.py --bound sum``)."""
-
 
 @dataclass(frozen=True)
 class ModelTable:
@@ -154,14 +149,15 @@ def solve_jointly(
 
 
 def moments(
-    tables: Sequence[ModelTable], concurrent: Sequence[Sequence[int]] | None
+    tables: Sequence[ModelTable], concurrent: Sequence[Sequence[int]] | None,
+    plan_against: str = "peak",
 ) -> list[tuple[int, ...]]:
     """The maximal concurrent counts to plan against: those observed, each
     model at least once at its own ``in_flight`` (the ranks' maxima may exceed
     what this rank saw); every model at its peak at once without counts or
-    under ``PLAN_AGAINST == "sum"``."""
+    with ``plan_against="sum"`` (``MemoryBudget.plan_against``)."""
     own = tuple(t.in_flight for t in tables)
-    if concurrent is None or PLAN_AGAINST == "sum" or not concurrent:
+    if concurrent is None or plan_against == "sum" or not concurrent:
         return [own]
     vs = [tuple(v) for v in concurrent if len(v) == len(tables)]
     # each model's own peak is among the moments seen; a model the counts

@@ -21,7 +21,11 @@ The life of a model under a budget (one state object on the model, see
    block called more than once per forward adds up the costs of its calls; a
    selected block never called fails the planner (``RematUsageError``). The
    profiling forward runs under a counter too (chained to any saved-tensor hooks of
-   the caller), which gives the bytes saved outside the blocks; after each
+   the caller), which gives the bytes saved outside the blocks. With
+   ``compile=`` every candidate also runs compiled once per block signature,
+   for the bytes and recompute time of the compiled block
+   (``_profile.CompiledPricing``; with inductor, min-cut levels per block
+   too); after each
    forward of the step an after-forward window (``_after``) counts what is saved
    until the next forward: the loss.
 3. **The rest of the profiling step** runs full recompute too. Each grad-enabled
@@ -66,6 +70,7 @@ Cost of the profiling step: per block ``2**r + 1`` extra forwards under the coun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -90,9 +95,12 @@ from remat_dist.budget._joint import ModelTable, moments, peak_of, solve_jointly
 from remat_dist.budget._meter import StepMeter
 from remat_dist.budget._profile import (
     Candidate,
+    CompiledPricing,
     Counter,
     candidates,
+    compile_options,
     human,
+    min_cut_candidates,
     param_keys,
     profile_block,
 )
@@ -160,6 +168,8 @@ class _Planner:
     after: int = 0  # most bytes saved after one forward of the step (the loss)
     profiling_now: bool = False  # the forward running now runs the side passes
     profiled: bool = False  # the side passes' table is complete
+    compiled: CompiledPricing | None = None
+    """With ``compile=``: prices the candidates compiled (the profiling forward)."""
     plan: BudgetPlan | None = None
     error: Exception | None = None
     handles: list[Any] = field(default_factory=list)
@@ -201,6 +211,8 @@ def prepare(
     ``apply_remat`` has checkpointed every block with full recompute."""
     blocks = installer.blocks
     cands = [candidates(name, module, budget.regions) for name, module in blocks]
+    if budget.compile is not False:  # compiled, min-cut may choose within a block
+        cands = [cs + min_cut_candidates(budget.compile) for cs in cands]
     owners: dict[int, str] = {}
     for (name, module), cs in zip(blocks, cands):
         for path in sorted({p for c in cs for p in (c.regions or ())}):
@@ -381,6 +393,8 @@ def _pre_hook(state: _Planner, model: nn.Module, args: Any) -> None:
         state.calls = [0 for _ in state.installer.blocks]
         state.step, state.in_flight, state.profiled = [], 0, False
         state.trained_tasks = set()
+        options = state.budget.compile
+        state.compiled = None if options is False else CompiledPricing(options)
         state.profiling_now = True
     if state.phase is BudgetPhase.PROFILING:
         state.records_before = {id(r) for r in state.installer.live_records()}
@@ -486,7 +500,10 @@ def _post(state: _Planner, args: Any, output: Any) -> None:
                 "them)."
             ))
             return
-        full = sum(row["full"][0] for row in state.table)
+        if state.compiled is not None:  # the forward ran the blocks eagerly
+            full = sum(state.compiled.eager_full.values())
+        else:
+            full = sum(row["full"][0] for row in state.table)
         state.outside = max(0, counter.total - full)
         state.profiled = True
     before = state.records_before
@@ -567,7 +584,10 @@ def _hook_parameters(state: _Planner, output: Any) -> None:
     """Mark every backward that accumulates into a parameter this forward used
     (a pre-hook on its ``AccumulateGrad`` node, which ``autograd.grad`` for the
     inputs does not run)."""
-    seen: set[int] = set()
+    # the nodes held while walking: on torch 2.11/2.12 a node's Python object
+    # lives only while referenced, and a dropped one's id comes back as another
+    # node's (the walk would skip it, and find no parameter)
+    seen: dict[int, Any] = {}
     todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
     hooks = state.grad_hooks
 
@@ -578,7 +598,7 @@ def _hook_parameters(state: _Planner, output: Any) -> None:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if hasattr(node, "variable"):  # AccumulateGrad
             if id(node) not in hooks:
                 hooks[id(node)] = (node, node.register_prehook(trained))
@@ -670,9 +690,11 @@ def _check_measured(state: _Planner, total: int, args: Any) -> None:
     elif state.budget.compile is not False and total > forward:
         cause = (
             f"the compiled blocks save {human(total - forward)} more per forward "
-            "than the eager candidates the plan measured (AOTAutograd's "
-            "partitioner chooses what a compiled graph saves). Fix: a budget "
-            f"smaller by {plan.in_flight} x that excess."
+            "than the plan priced from the compiled side passes of the "
+            "profiling step (one per candidate and block signature: a block "
+            "that compiles otherwise than the first of its signature, say "
+            "through a graph break only it has?). Fix: a budget smaller by "
+            f"{plan.in_flight} x that excess."
         )
     else:
         cause = (
@@ -715,6 +737,7 @@ def _profiled(state: _Planner, index: int, run: Any) -> Any:
                 row = profile_block(
                     installer, index, state.candidates[index], args, kwargs,
                     params=state.params, repeats=state.budget.repeats,
+                    compiled=state.compiled,
                 )
             # a block called more than once per forward (shared weights): every
             # call saves and recomputes under the same decision, so the costs add
@@ -815,6 +838,7 @@ def _plan_shared(states: list[_Planner]) -> None:
             blocks.append(BlockPlan(
                 name=name, decision=cand.label, regions=regions, bytes=w, time_s=t,
                 candidates={c.label: costs[b][i] for i, c in enumerate(cands)},
+                memory_budget=cand.memory_budget,
             ))
         predicted = table.fixed + sum(b.bytes for b in blocks)
         plans.append(BudgetPlan(
@@ -831,6 +855,7 @@ def _plan_shared(states: list[_Planner]) -> None:
         ))
     per_forward = [p.predicted_bytes for p in plans]
     joint = peak_of(per_forward, concurrent)
+    _note_cheaper(plans, per_forward, concurrent, joint)
     for state, plan in zip(states, plans):
         plan.shared_by = len(states)
         plan.rank_peak_bytes = joint
@@ -856,10 +881,34 @@ def _plan_shared(states: list[_Planner]) -> None:
                  stage_name(state), shared, plan.format())
 
 
+def _note_cheaper(
+    plans: list[BudgetPlan], per_forward: list[int],
+    concurrent: list[tuple[int, ...]], joint: int,
+) -> None:
+    """Per block that recomputes, the option of less recompute that adds
+    fewest bytes to the rank's peak (``BlockPlan.cheaper``), the other blocks
+    as planned: what the plan line shows where budget is left unused."""
+    for m, plan in enumerate(plans):
+        for i, block in enumerate(plan.blocks):
+            best = None
+            for label, (w, t) in block.candidates.items():
+                if t >= block.time_s:
+                    continue
+                bytes_now = list(per_forward)
+                bytes_now[m] += w - block.bytes
+                more = peak_of(bytes_now, concurrent) - joint
+                if best is None or (more, t) < (best[2], block.time_s - best[1]):
+                    best = (label, block.time_s - t, more)
+            if best is not None:
+                plan.blocks[i] = dataclasses.replace(block, cheaper=best)
+
+
 def _concurrent(shared: _Shared | None, tables: list[ModelTable]) -> list[tuple[int, ...]]:
     """The moments the rank's peak can fall on (``_joint.moments``) from the
     forwards alive per model at each profiling forward's end."""
-    return moments(tables, shared.concurrent if shared is not None else None)
+    if shared is None:
+        return moments(tables, None)
+    return moments(tables, shared.concurrent, shared.budget.plan_against)
 
 
 def _global_rank() -> int:
@@ -928,5 +977,5 @@ def _install_plan(state: _Planner) -> None:
     if options is not False:
         # after the plan: each block compiles once, with its checkpoint and
         # save regions as planned (the profiling step ran eagerly)
-        for _, module in state.installer.blocks:
-            module.compile(**dict(options))
+        for bp, (_, module) in zip(plan.blocks, state.installer.blocks):
+            module.compile(**compile_options(options, bp.memory_budget))

@@ -42,10 +42,14 @@ __all__ = [
     "DEFAULT_REGION_NAMES",
     "MAX_BYTES",
     "MAX_REGIONS",
+    "MIN_CUT_FRACTIONS",
     "Candidate",
+    "CompiledPricing",
     "Counter",
     "candidates",
+    "compile_options",
     "human",
+    "min_cut_candidates",
     "param_keys",
     "parse_bytes",
     "profile_block",
@@ -209,6 +213,57 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class Candidate:
     label: str
     regions: tuple[str, ...] | None  # None: no checkpoint; (): full recompute
+    memory_budget: float | None = None
+    """Compiled only: no checkpoint, the block compiled with AOTAutograd's
+    min-cut partitioner at this ``activation_memory_budget`` (it chooses the
+    ops to recompute within the block)."""
+
+
+MIN_CUT_FRACTIONS = (0.25, 0.5, 0.75)
+"""The ``activation_memory_budget`` levels a compiled block is priced at
+(candidates ``"min-cut 0.25"`` ...), with inductor."""
+
+
+def min_cut_candidates(options: tuple[tuple[str, Any], ...]) -> list[Candidate]:
+    """The per-block min-cut candidates for ``MemoryBudget(compile=options)``:
+    with inductor (the default backend) and neither ``mode`` nor ``options``
+    (a backend given as a callable takes neither); none otherwise (other
+    backends do not partition by a memory budget)."""
+    given = dict(options)
+    if given.get("backend", "inductor") != "inductor" or "mode" in given or "options" in given:
+        return []
+    return [Candidate(f"min-cut {f:g}", None, f) for f in MIN_CUT_FRACTIONS]
+
+
+def compile_options(options: tuple[tuple[str, Any], ...], memory_budget: float | None) -> dict[str, Any]:
+    """``torch.compile`` options for a block: the budget's, and for a min-cut
+    candidate inductor under that ``activation_memory_budget``."""
+    out = dict(options)
+    if memory_budget is not None:
+        out["backend"] = _min_cut_backend(memory_budget)
+    return out
+
+
+_BACKENDS: dict[float, Any] = {}
+
+
+def _min_cut_backend(fraction: float) -> Any:
+    """Inductor compiling under ``activation_memory_budget=fraction``; one
+    object per fraction (blocks at one fraction share Dynamo's graphs, blocks
+    at another do not)."""
+    backend = _BACKENDS.get(fraction)
+    if backend is None:
+        from remat_dist._torch import _dynamo
+
+        inductor = _dynamo.lookup_backend("inductor")
+
+        def backend(gm: Any, example_inputs: Any) -> Any:
+            with _dynamo.functorch_config_patch(activation_memory_budget=fraction):
+                return inductor(gm, example_inputs)
+
+        backend.__name__ = f"inductor_min_cut_{fraction:g}"
+        _BACKENDS[fraction] = backend
+    return backend
 
 
 def candidates(name: str, block: nn.Module, regions: Sequence[str] | None) -> list[Candidate]:
@@ -266,13 +321,20 @@ def profile_block(
     *,
     params: set[Any],
     repeats: int,
+    compiled: CompiledPricing | None = None,
 ) -> dict[str, tuple[int, float]]:
     """``{decision: (saved bytes, recompute seconds)}`` of each candidate of block
     ``index`` of ``installer``, from side passes (their graphs dropped at once) on
     fresh copies of its tensor inputs, so that in-place updates of an input stay in
     the copy. When it returns, the RNG states and the block's buffers (its
     submodules' included: BatchNorm statistics, token counters) are as they were
-    before."""
+    before.
+
+    With ``compiled`` (the blocks will run compiled), the bytes are those the
+    compiled block saves: each candidate also runs compiled once per block
+    signature (:class:`CompiledPricing`), and its difference to the eager bytes
+    is added. The eager bytes of full recompute stay in ``compiled.eager_full``
+    (what the model's eager profiling forward saved for the block)."""
     name, module = installer.blocks[index]
     hooks = _rng_hooks(installer.state_hooks)
     snaps = [h.snapshot() for h in hooks]
@@ -290,6 +352,8 @@ def profile_block(
     try:
         run = installer.runner(f"{name}[budget profile]")
         for cand in cands:
+            if cand.memory_budget is not None:
+                continue  # compiled only: priced below, from "none"
             a, kw = restore()
             with Counter(params, chain=False) as count:
                 if cand.regions is None:
@@ -299,6 +363,15 @@ def profile_block(
                         out = run(module, *a, **kw)
             del out, a, kw
             row[cand.label] = (count.total, 0.0)
+        for cand in cands:
+            if cand.memory_budget is not None:
+                row[cand.label] = row["none"]
+        if compiled is not None:
+            compiled.eager_full[index] = compiled.eager_full.get(index, 0) + row["full"][0]
+            deltas, times = compiled.measure(
+                installer, index, cands, args, kwargs, row, restore, params, repeats)
+            row = {label: (w + deltas[label], times[label]) for label, (w, t) in row.items()}
+            return row
         paths = sorted({p for c in cands for p in (c.regions or ())})
         block_s, region_s = _time_block(module, paths, restore, repeats)
     finally:
@@ -310,6 +383,121 @@ def profile_block(
             t = max(0.0, block_s - sum(region_s[p] for p in cand.regions))
         row[cand.label] = (row[cand.label][0], t)
     return row
+
+
+class CompiledPricing:
+    """What a block saves and recomputes when compiled, for a budget with
+    ``compile=``.
+
+    AOTAutograd's partitioner chooses what a compiled graph saves and
+    recomputes, and it need not be what the eager candidate does (torch 2.11
+    to 2.13 save the CPU generator state of a checkpoint whose CPU attention is
+    recomputed; a save region's graph may keep fewer tensors; a min-cut
+    candidate exists only compiled). Each candidate runs compiled with the
+    budget's options on the block's inputs once per block signature (the
+    block's class, its parameters' and inputs' shapes and dtypes: the layers of
+    a transformer share one), its graph dropped at once: the difference of its
+    bytes to the eager ones is added to the eager bytes of every block of that
+    signature. Its recompute time is what its compiled forward and backward
+    (gradients returned, not accumulated) take beyond those of ``"none"``, the
+    least of ``5 * repeats`` timed runs (after those that compile), the
+    candidates timed in turn. One graph per candidate and signature is
+    compiled for pricing, apart from the graphs the blocks then run."""
+
+    def __init__(self, options: tuple[tuple[str, Any], ...]) -> None:
+        self.options = options
+        self.by_signature: dict[Any, tuple[dict[str, int], dict[str, float]]] = {}
+        self.eager_full: dict[int, int] = {}
+        self._calls: dict[float | None, Any] = {}
+
+    def _call(self, memory_budget: float | None) -> Any:
+        call = self._calls.get(memory_budget)
+        if call is None:
+            call = torch.compile(_compiled_side_pass,
+                                 **compile_options(self.options, memory_budget))
+            self._calls[memory_budget] = call
+        return call
+
+    def measure(
+        self, installer: BlockInstaller, index: int, cands: list[Candidate],
+        args: tuple, kwargs: dict, eager: dict[str, tuple[int, float]],
+        restore: Any, params: set[Any], repeats: int,
+    ) -> tuple[dict[str, int], dict[str, float]]:
+        """``({decision: compiled bytes - eager bytes}, {decision: recompute
+        seconds compiled})`` of block ``index``'s candidates."""
+        name, module = installer.blocks[index]
+        sig = _signature(module, (args, kwargs))
+        known = self.by_signature.get(sig)
+        if known is not None:
+            return known
+        from remat_dist._torch import _dynamo
+
+        run = installer.runner(f"{name}[budget profile]")
+        deltas: dict[str, int] = {}
+        spent: dict[str, float] = {}
+        weights = [p for p in module.parameters() if p.requires_grad]
+
+        def once(cand: Candidate, timed: bool) -> tuple[int, float]:
+            a, kw = restore()
+            call = self._call(cand.memory_budget)
+            fn = call_block if cand.regions is None else run
+            clock = time.process_time
+            t0 = clock()
+            with Counter(params, chain=False) as count:
+                if cand.regions is None:
+                    out = call(fn, module, cand.label, a, kw)
+                else:
+                    with installer.regions_kept(index, cand.regions):
+                        out = call(fn, module, cand.label, a, kw)
+            if timed:
+                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                        and t.requires_grad]
+                wrt = [t for t in tree_leaves((a, kw)) if isinstance(t, torch.Tensor)
+                       and t.requires_grad and t.is_leaf] + weights
+                if outs and wrt:
+                    torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs],
+                                        allow_unused=True)
+            took = clock() - t0
+            del out, a, kw
+            return count.total, took
+
+        # one graph per candidate: the label is a guard (the save regions the
+        # side pass installs are module patches Dynamo does not guard on)
+        with _dynamo.cache_size_limit_at_least(8 + 2 * len(cands)):
+            for cand in cands:
+                total, _ = once(cand, timed=False)  # compiles it
+                deltas[cand.label] = total - eager[cand.label][0]
+                once(cand, timed=True)  # compiles its backward
+            # a compiled block's step is short: five times the timed runs, the
+            # candidates in turn (a busy machine slows them alike)
+            for _ in range(5 * repeats):
+                for cand in cands:
+                    took = once(cand, timed=True)[1]
+                    spent[cand.label] = min(spent.get(cand.label, took), took)
+        base = spent.get("none", 0.0)
+        times = {label: 0.0 if label == "none" else max(0.0, t - base)
+                 for label, t in spent.items()}
+        self.by_signature[sig] = (deltas, times)
+        return deltas, times
+
+
+def _compiled_side_pass(fn: Any, module: nn.Module, label: str, args: tuple, kwargs: dict) -> Any:
+    if label == "":  # never true: makes Dynamo guard on the label
+        raise AssertionError("a candidate without a label")
+    return fn(module, *args, **kwargs)
+
+
+def _signature(module: nn.Module, inputs: Any) -> Any:
+    def meta(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+        return type(t).__name__
+
+    return (
+        type(module),
+        tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()),
+        tuple(meta(x) for x in tree_leaves(inputs)),
+    )
 
 
 def _snapshot_buffers(module: nn.Module) -> list[list[Any]]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import remat_dist as remat
 from remat_dist import RematUsageError, apply_remat, remove_remat
 from remat_dist.budget import current_plan, parse_bytes
+from remat_dist.budget._profile import human
 from remat_dist.budget._solver import brute_force, plan_cost, solve
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
 from remat_dist.testing import SavedBytesCounter
@@ -179,6 +180,42 @@ def test_three_budgets_single_process(caplog):
         for p in plans
     ]
     assert times == sorted(times, reverse=True), times
+
+
+def test_plan_line_says_why_less_recompute_was_not_taken(caplog):
+    """Half-way between full recompute and no checkpoint: the plan leaves part
+    of the budget unused; for every block that recomputes, the plan names the
+    option of less recompute that needs fewest bytes, and that it needs more
+    than what is left (the plan's bytes plus it would exceed the budget); the
+    logged plan line says so in words. A block that recomputes nothing names
+    none."""
+    batch = make_batch(CFG, 4, seed=0)
+    none_bytes = run_steps(_model(), batch, steps=1)[0][0]
+    full_bytes = run_steps(_model("full"), batch, steps=1)[0][0]
+    budget = (full_bytes + none_bytes) // 2
+    model = _model(remat.MemoryBudget(bytes=budget))
+    with caplog.at_level(logging.INFO, logger="remat_dist"):
+        run_steps(model, batch)
+    plan = current_plan(model)
+    left = budget - plan.predicted_peak_bytes
+    assert plan.left_bytes == left >= 0
+    explained = 0
+    for b in plan.blocks:
+        cheaper = [(w - b.bytes, label, b.time_s - t)
+                   for label, (w, t) in b.candidates.items() if t < b.time_s]
+        if not cheaper:
+            assert b.cheaper is None, b
+            continue
+        more, label, saved = min(cheaper)
+        assert b.cheaper == (label, saved, plan.in_flight * more), (b, cheaper)
+        assert plan.predicted_peak_bytes + b.cheaper[2] > budget  # why: it does not fit
+        line = next(r for r in plan.format().splitlines() if r.startswith(f"  {b.name}:"))
+        assert (f"{label!r} instead would save {saved * 1e3:.3f} ms of recompute but "
+                f"need {human(b.cheaper[2])} more than the {human(left)} left") in line
+        explained += 1
+    assert explained  # the budget binds: some block recomputes
+    assert f"{human(left)} of the budget left" in caplog.text
+    assert plan.format() in caplog.text
 
 
 def test_infeasible_budget_raises_at_end_of_profiling_step():

@@ -12,8 +12,7 @@ import remat_dist as remat
 from remat_dist._torch._autograd import top_saved_tensors_hooks
 from remat_dist.budget._after import close_window
 from remat_dist.models import GPT, Block, GPTConfig, make_batch
-from remat_dist.testing import SavedBytesCounter
-from tests.budget._step_peak import StepPeak
+from remat_dist.testing import PeakSavedBytes, SavedBytesCounter
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=16, dim=32, n_heads=4, n_layers=4)
 BATCH = 4
@@ -26,7 +25,7 @@ def _train(policy, steps: int = 3):
     model = GPT(CONFIG)
     if policy is not None:
         remat.apply_remat(model, blocks=Block, policy=policy)
-    meter = StepPeak(model)
+    meter = PeakSavedBytes(model, whole_step=True)
     out = []
     for step in range(steps):
         tokens, targets = make_batch(CONFIG, BATCH, seed=step)

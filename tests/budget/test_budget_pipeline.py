@@ -5,8 +5,8 @@ stages (and 2x2 with tensor parallelism or FSDP2), the stages of
 
 The budget is the rank's peak: the most bytes saved for backward alive at any
 moment of a whole schedule step, every micro-batch in flight and the schedule's
-``loss_fn`` included, measured here by ``StepPeak`` entered around each
-``schedule.step`` (unique storages, parameters apart, as ``SavedBytesCounter``
+``loss_fn`` included, measured here by ``PeakSavedBytes(whole_step=True)``
+entered around each ``schedule.step`` (unique storages, parameters apart, as ``SavedBytesCounter``
 counts them). Each stage plans at the
 end of its profiling step from what it measured there (nothing gathered across
 stages, so no deadlock with the pipeline's sends and receives), for the forwards
@@ -25,9 +25,8 @@ import remat_dist as remat
 from remat_dist._torch import TORCH_RELEASE
 from remat_dist.budget._solver import brute_force, plan_cost
 from remat_dist.models import GPT, Block, GPTStage, block_tp_plan, make_batch
-from remat_dist.testing import DistContext, distributed
+from remat_dist.testing import DistContext, PeakSavedBytes, distributed
 from tests.budget._joint_check import joint_bounds, joint_optimum
-from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -47,15 +46,6 @@ pytest.importorskip(
     "recv_object_list, which needs numpy (torch's need, not remat_dist's)",
 )
 
-
-
-
-_OVER_ON_2_12 = pytest.mark.xfail(
-    TORCH_RELEASE == (2, 12),
-    reason="on torch 2.12 the whole-step peak of these schedules exceeds the budget "
-    "(the loss window misses what 2.12's schedules save: docs/torch_versions.md)",
-    strict=True,
-)
 
 def _build(stage: int, policy, *, tp_mesh=None, dp_mesh=None):
     per = CONFIG.n_layers // 2
@@ -86,7 +76,7 @@ def _run(schedule_name, policy, *, pp_group, stage, steps=3, tp_mesh=None, dp_me
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
-    meter = StepPeak(module)
+    meter = PeakSavedBytes(module, whole_step=True)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp_group)
     schedule = getattr(sch, schedule_name)(pipe, n_microbatches=MICRO_BATCHES,
                                            loss_fn=loss_fn)
@@ -152,7 +142,7 @@ def _check_optimal(plan) -> None:
 
 
 @pytest.mark.parametrize(
-    "schedule_name", ["Schedule1F1B", pytest.param("ScheduleGPipe", marks=_OVER_ON_2_12)]
+    "schedule_name", ["Schedule1F1B", "ScheduleGPipe"]
 )
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
@@ -190,6 +180,32 @@ def test_budget_is_each_ranks_peak_per_stage(ctx: DistContext, schedule_name):
     if schedule_name == "Schedule1F1B":
         assert all(a <= b for a, b in zip(*per_stage)), per_stage
         assert any(a < b for a, b in zip(*per_stage)), per_stage
+
+
+@pytest.mark.slow  # compiles each stage's pricing graphs and blocks
+@distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=300)
+def test_compiled_budget_holds_on_every_rank(ctx: DistContext):
+    """1F1B, 2 stages, ``MemoryBudget(compile=...)`` (``aot_eager``: eager's ATen
+    kernels) half-way between full recompute's peak and no checkpoint's: every
+    step's peak of every byte saved on every rank, the compiled steps', at or
+    under the budget; the first compiled forward saves what the plan priced;
+    losses and gradients bitwise those without remat."""
+    pp, stage = ctx.mesh.get_group(), ctx.rank
+    ref, _ = _run("Schedule1F1B", None, pp_group=pp, stage=stage, steps=3)
+    full, _ = _run("Schedule1F1B", "full", pp_group=pp, stage=stage, steps=1)
+    lo = max(ctx.all_gather_object(full[0][0]))
+    hi = max(ctx.all_gather_object(ref[0][0]))
+    budget = (lo + hi) // 2
+    torch._dynamo.reset()
+    policy = remat.MemoryBudget(bytes=budget,
+                                compile={"backend": "aot_eager", "fullgraph": True})
+    runs, module = _run("Schedule1F1B", policy, pp_group=pp, stage=stage, steps=3)
+    plan = remat.budget.current_plan(module)
+    assert plan is not None and set(plan.decisions().values()) != {"full"}
+    assert plan.measured_bytes == plan.predicted_bytes - plan.loss_bytes
+    peaks = ctx.all_gather_object([peak for peak, _, _ in runs])
+    assert all(p <= budget for rank in peaks for p in rank), (peaks, budget)
+    _bitwise(runs, ref)
 
 
 def _mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -247,7 +263,7 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
             remat.apply_remat(m, blocks=Block, policy=policy)
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-    meter = StepPeak(*mods)  # the rank's peak
+    meter = PeakSavedBytes(*mods, whole_step=True)  # the rank's peak
     schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
     out = []
@@ -268,7 +284,6 @@ def _interleaved(ctx: DistContext, policy, steps: int = 2):
     return out, mods
 
 
-@_OVER_ON_2_12
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=180)
 def test_interleaved_1f1b_one_budget_per_rank(ctx: DistContext):
     """ScheduleInterleaved1F1B, 2 ranks x 2 virtual stages, one MemoryBudget
@@ -315,7 +330,7 @@ def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
             remat.apply_remat(m, blocks=Block, policy=policy)
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu"), group=pp))
-    meter = StepPeak(*mods)
+    meter = PeakSavedBytes(*mods, whole_step=True)
     schedule = getattr(sch, schedule_name)(stages, n_microbatches=MICRO_BATCHES,
                                            loss_fn=_loss_fn)
     out = []
@@ -341,7 +356,6 @@ def _v_shaped(ctx: DistContext, schedule_name: str, policy, steps: int = 2):
     reason="the V-shaped schedules on 2 ranks need torch 2.12 (on 2.11 gloo fails: "
     "Pair is not connected)",
 )
-@_OVER_ON_2_12
 @pytest.mark.parametrize("schedule_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
 @distributed(world_size=2, mesh_shape=(2,), mesh_dim_names=("pp",), timeout=240)
 def test_v_shaped_schedules_one_budget_per_rank(ctx: DistContext, schedule_name):

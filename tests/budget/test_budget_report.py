@@ -3,8 +3,8 @@ models on a rank.
 
 * On real gloo processes (2 pipeline stages, Schedule1F1B, ``measure_peak=True``):
   ``gather_saved_tensors_report()`` after each step shows every rank's peak over
-  that step, byte for byte what ``StepPeak`` measured (the loss included), at or under the
-  budget, the imbalance max/mean of those peaks, and each stage's plan as
+  that step, byte for byte what ``PeakSavedBytes(whole_step=True)`` measured
+  (the loss included), at or under the budget, the imbalance max/mean of those peaks, and each stage's plan as
   ``current_plan`` gives it.
 * In one process: the report's budget part aggregated from per-rank sections,
   formatted and read back from its dict; one ``MemoryBudget`` object given to two
@@ -26,7 +26,6 @@ import remat_dist as remat
 from remat_dist.report import BudgetReport, aggregate_summaries
 from remat_dist.testing import DistContext, PeakSavedBytes, distributed
 from tests.budget._joint_check import joint_optimum
-from tests.budget._step_peak import StepPeak
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -38,12 +37,13 @@ from tests.distributed.test_pipeline import BATCH, CONFIG, MICRO_BATCHES, _loss_
 
 def _pipeline(policy, pp, stage: int, steps: int):
     """``steps`` 1F1B steps on this rank's stage of 2; after each, the cross-rank
-    report (a collective: both ranks call it) and this rank's peak of every byte saved (``StepPeak``)."""
+    report (a collective: both ranks call it) and this rank's peak of every byte
+    saved (``PeakSavedBytes(whole_step=True)``)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
 
     module = _build(stage, policy)
-    meter = StepPeak(module)
+    meter = PeakSavedBytes(module, whole_step=True)
     pipe = PipelineStage(module, stage, 2, torch.device("cpu"), group=pp)
     schedule = sch.Schedule1F1B(pipe, n_microbatches=MICRO_BATCHES, loss_fn=_loss_fn)
     peaks, reports = [], []
@@ -70,8 +70,8 @@ def _pipeline(policy, pp, stage: int, steps: int):
 def test_cross_rank_report_shows_each_ranks_step_peak(ctx: DistContext):
     """1F1B, 2 stages, MemoryBudget(measure_peak=True) half-way between full
     recompute's peak and no checkpoint's: the report gathered after steps 1 and 2
-    gives each rank's peak of that step exactly as StepPeak measured it (the loss included),
-    at or under the budget; the imbalance is max/mean of those peaks; each rank
+    gives each rank's peak of that step exactly as
+    PeakSavedBytes(whole_step=True) measured it (the loss included), at or under the budget; the imbalance is max/mean of those peaks; each rank
     shows its stage, its forwards in flight and its plan as current_plan has it."""
     pp, stage = ctx.mesh.get_group(), ctx.rank
     _, none_peaks, _ = _pipeline(None, pp, stage, steps=1)
@@ -256,7 +256,7 @@ def _step_both(a, b, x):
 
 def _peak_bytes(a, b, x) -> int:
     """The peak of every byte saved in one step of both (the loss included)."""
-    meter = StepPeak(a, b)
+    meter = PeakSavedBytes(a, b, whole_step=True)
     with meter:
         _step_both(a, b, x)
     return meter.peak
@@ -286,6 +286,47 @@ def test_shared_budget_plans_two_models_jointly():
         chosen = pa.predicted_time_s + pb.predicted_time_s
         assert chosen == joint_optimum([pa, pb], budget)
         assert set(pa.decisions().values()) | set(pb.decisions().values()) != {"none"}
+
+
+def _apart(a, b, x):
+    """Two forwards of a alive at once; after the first one's backward, one of
+    b and its backward; then the second one's: a's 2 never meet b's 1."""
+    first, second = a(x), a(x + 1)
+    F.mse_loss(first, torch.zeros_like(first)).backward()
+    out = b(x)
+    F.mse_loss(out, torch.zeros_like(out)).backward()
+    F.mse_loss(second, torch.zeros_like(second)).backward()
+
+
+@pytest.mark.parametrize("plan_against", ["peak", "sum"])
+def test_shared_budget_plans_against_the_peak_or_the_sum(plan_against):
+    """Models sharing a budget whose own peaks never coincide (a keeps 2
+    forwards alive, b 1 while a keeps 1): planned against the measured peak,
+    the moments are (2, 0) and (1, 1); with ``plan_against="sum"``, both at
+    their own peak at once, (2, 1), the predicted rank peak the sum of their
+    own peaks. Either way the measured peak of a step fits the prediction."""
+    x = torch.randn(8, 16)
+    budget = 10**9
+    policy = remat.MemoryBudget(bytes=budget, plan_against=plan_against)
+    a, b = _two_models(policy)
+    _apart(a, b, x)
+    pa, pb = remat.budget.current_plan(a), remat.budget.current_plan(b)
+    assert (pa.in_flight, pb.in_flight) == (2, 1)
+    if plan_against == "sum":
+        assert pa.concurrent == ((2, 1),)
+        assert pa.rank_peak_bytes == pa.sum_bound_bytes
+    else:
+        assert set(pa.concurrent) == {(2, 0), (1, 1)}
+        assert pa.rank_peak_bytes < pa.sum_bound_bytes
+    meter = PeakSavedBytes(a, b, whole_step=True)
+    with meter:
+        _apart(a, b, x)
+    assert meter.peak <= pa.rank_peak_bytes <= budget
+
+
+def test_plan_against_is_checked():
+    with pytest.raises(remat.RematUsageError, match="'peak'.*'sum'"):
+        remat.MemoryBudget(bytes=1, plan_against="max")
 
 
 def test_shared_budget_too_small_names_every_model():
