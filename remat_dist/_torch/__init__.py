@@ -39,7 +39,6 @@ __all__ = [
     "SUPPORTED_TORCH",
     "TESTED_TORCH",
     "TORCH_RELEASE",
-    "UNOBSERVED_FUNCTIONAL_COLLECTIVES",
     "check_torch",
     "missing_pieces",
     "unsupported_torch_message",
@@ -64,12 +63,6 @@ TORCH_RELEASE: tuple[int, int] = tuple(  # type: ignore[assignment]
 """The installed torch's ``(major, minor)``: for what only a release number tells
 (a test's expectation of torch's own behaviour); the seam's modules detect what
 torch has instead."""
-
-UNOBSERVED_FUNCTIONAL_COLLECTIVES = TORCH_RELEASE < (2, 13)
-"""torch 2.11 and 2.12: DTensor's functional all-gathers and reduce-scatters
-(sequence parallelism, redistributes) reach the backend without passing the
-``c10d::`` ops remat_dist intercepts, so their replays are neither recorded nor
-verified (only a run tells: no attribute of torch's says it)."""
 
 
 def tested_range() -> str:
