@@ -22,7 +22,7 @@ but ``_errors``; the modules of this package import nothing of remat_dist.
 | ``_module`` | ``nn.Module``'s private call path and buffers |
 | ``_dynamo`` | Dynamo's reset, constant folding and config |
 | ``_c10d`` | c10d works from futures, the default store |
-| ``_dtensor`` | DTensor's RNG tracker |
+| ``_dtensor`` | DTensor's RNG tracker, whether its view rule takes sequence shards |
 | ``_fsdp`` | recognising FSDP2's own collectives |
 | ``_cuda`` | the CUDA caching allocator's snapshot and OOM observer |
 """
@@ -156,6 +156,8 @@ _DISTRIBUTED = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.unshard",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward",
     "torch.distributed.tensor._random",
+    "torch.distributed.tensor._ops._view_ops.view_groups",
+    "torch.distributed.tensor._ops._view_ops.propagate_shape_and_sharding",
 )
 
 _CUDA_BUILD = ("torch._C._cuda_attach_out_of_memory_observer",)
