@@ -22,7 +22,7 @@ but ``_errors``; the modules of this package import nothing of remat_dist.
 | ``_module`` | ``nn.Module``'s private call path and buffers |
 | ``_dynamo`` | Dynamo's reset, constant folding and config |
 | ``_c10d`` | c10d works from futures, the default store |
-| ``_dtensor`` | DTensor's RNG tracker |
+| ``_dtensor`` | DTensor's RNG tracker, whether its view rule takes sequence shards |
 | ``_fsdp`` | recognising FSDP2's own collectives |
 | ``_cuda`` | the CUDA caching allocator's snapshot and OOM observer |
 """
@@ -39,7 +39,6 @@ __all__ = [
     "SUPPORTED_TORCH",
     "TESTED_TORCH",
     "TORCH_RELEASE",
-    "UNOBSERVED_FUNCTIONAL_COLLECTIVES",
     "check_torch",
     "missing_pieces",
     "unsupported_torch_message",
@@ -64,12 +63,6 @@ TORCH_RELEASE: tuple[int, int] = tuple(  # type: ignore[assignment]
 """The installed torch's ``(major, minor)``: for what only a release number tells
 (a test's expectation of torch's own behaviour); the seam's modules detect what
 torch has instead."""
-
-UNOBSERVED_FUNCTIONAL_COLLECTIVES = TORCH_RELEASE < (2, 13)
-"""torch 2.11 and 2.12: DTensor's functional all-gathers and reduce-scatters
-(sequence parallelism, redistributes) reach the backend without passing the
-``c10d::`` ops remat_dist intercepts, so their replays are neither recorded nor
-verified (only a run tells: no attribute of torch's says it)."""
 
 
 def tested_range() -> str:
@@ -167,6 +160,8 @@ _DISTRIBUTED = (
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.unshard",
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward",
     "torch.distributed.tensor._random",
+    "torch.distributed.tensor._ops._view_ops.view_groups",
+    "torch.distributed.tensor._ops._view_ops.propagate_shape_and_sharding",
 )
 
 _CUDA_BUILD = ("torch._C._cuda_attach_out_of_memory_observer",)

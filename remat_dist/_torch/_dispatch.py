@@ -14,6 +14,7 @@ __all__ = [
     "hops_fall_through",
     "key_is_free",
     "keyset_full_after",
+    "key_reached_in_torch_dispatch",
     "parse_dispatch_key",
     "redispatch_of",
     "tls_key_included",
@@ -47,6 +48,23 @@ def key_is_free(name: str) -> bool:
         not torch._C._dispatch_has_backend_fallback(key)
         and not torch._C._dispatch_get_registrations_for_dispatch_key(name)
     )
+
+
+def key_reached_in_torch_dispatch(name: str) -> bool:
+    """Whether a kernel at dispatch key ``name`` is reached by an op called inside
+    a ``__torch_dispatch__`` (DTensor's, a ``TorchDispatchMode``'s): the key sits
+    below ``Python``, since the ``Python`` kernel excludes every key above it.
+
+    ``Fake`` is below ``Python`` from torch 2.13; on 2.11 and 2.12 it is above, so
+    a kernel there misses the collectives DTensor issues for the redistributions
+    its ``__torch_dispatch__`` runs (the implicit all-gathers and reduce-scatters
+    of tensor and sequence parallelism)."""
+    try:
+        key = torch._C._parse_dispatch_key(name)
+    except Exception:
+        return False
+    python = torch._C._parse_dispatch_key("Python")
+    return key is not None and torch._C._dispatch_keyset_full_after(python).has(key)
 
 
 def redispatch_of(overload: Any) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ re-issues them while checking each one against the ledger *before* it is issued
 What is caught, and how
 =======================
 
-Every collective of torch 2.13 ends up as a call of a ``c10d::`` dispatcher op
+Every collective (torch 2.11 to 2.15) ends up as a call of a ``c10d::`` dispatcher op
 (``c10d::allreduce_``, ``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``,
 ``c10d::allgather_into_tensor_coalesced_``, ``c10d::broadcast_``, ``c10d::send``, ...):
 
@@ -37,13 +37,15 @@ op the dispatcher masks the key out while computing the kernel to call: includin
 key costs an ordinary op nothing (measured: within noise). The key is added to the
 thread-local *included* set only while an extent is active, so outside one the
 kernels are never reached and nothing at all is paid. ``Fake`` sits *below*
-``Python``: inside a ``__torch_dispatch__`` (DTensor's, a ``TorchDispatchMode``'s)
-every key above ``Python`` is excluded (``TESTING_ONLY_GenericMode``, tried first,
-missed DTensor's implicit redistributions for that reason), the keys below are not.
-If a later torch gives ``Fake`` kernels or a fallback, the kernels are registered at
-``BackendSelect`` instead (always reached, below ``Python`` too; they then check a
-thread-local and pass through, a few microseconds per collective when no extent is
-active). ``interception_key()`` says which is in use.
+``Python`` (from torch 2.13): inside a ``__torch_dispatch__`` (DTensor's, a
+``TorchDispatchMode``'s) every key above ``Python`` is excluded
+(``TESTING_ONLY_GenericMode``, tried first, missed DTensor's implicit
+redistributions for that reason), the keys below are not. On torch 2.11 and 2.12
+``Fake`` is above ``Python``, and a later torch may give ``Fake`` kernels or a
+fallback: there the kernels are registered at ``BackendSelect`` instead (always
+reached, below ``Python`` too; they then check a thread-local and pass through, a
+few microseconds per collective when no extent is active).
+``interception_key()`` says which is in use.
 
 A ``TorchDispatchMode`` over the extent would cost every op a Python round trip;
 wrapping ``torch.distributed`` functions misses functional collectives and FSDP2's

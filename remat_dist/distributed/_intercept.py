@@ -152,7 +152,7 @@ _INSTALLED = _Installation()
 
 
 def _choose_key() -> tuple[str, bool]:
-    if _dk.key_is_free("Fake"):
+    if _dk.key_is_free("Fake") and _dk.key_reached_in_torch_dispatch("Fake"):
         return "Fake", True
     return "BackendSelect", False
 

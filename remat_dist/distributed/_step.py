@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +54,7 @@ from remat_dist._errors import (
 )
 from remat_dist._logging import get_logger
 from remat_dist._state import register_state
-from remat_dist._torch import UNOBSERVED_FUNCTIONAL_COLLECTIVES, _autograd, _c10d
+from remat_dist._torch import _autograd, _c10d
 from remat_dist.distributed._intercept import set_step_hooks, step_hooks_set
 from remat_dist.distributed._plan import PlanDigest, explain
 from remat_dist.distributed._ready import dist_ready
@@ -557,8 +556,6 @@ class _StepProcess:
     state: StepState | None = None
     namespace: str = "0"
     timeout: float = REPLAY_TIMEOUT_S
-    warned_release: bool = False
-    """Whether this process was told what its torch release leaves unverified."""
 
     def close(self) -> None:
         """Drop the stakes' gloo groups and the dispatch hooks."""
@@ -606,17 +603,6 @@ def checkpoint_forward_starts() -> StepState | None:
     hooks. None without a process group."""
     if (world := _c10d.default_group()) is None:
         return None
-    if UNOBSERVED_FUNCTIONAL_COLLECTIVES and not _PROCESS.warned_release:
-        _PROCESS.warned_release = True
-        warnings.warn(
-            f"remat_dist on torch {torch.__version__}: the all-gathers and "
-            "reduce-scatters DTensor issues as functional collectives (sequence "
-            "parallelism, redistributes) are not seen by remat_dist on torch 2.11 "
-            "and 2.12, so a replay re-issues them unrecorded and unverified (the "
-            "all-reduces of tensor parallelism are verified). Fix: torch 2.13 or "
-            "newer (docs/torch_versions.md).",
-            stacklevel=3,
-        )
     state = _PROCESS.state
     if state is None or state.world() is not world:
         state = current_step()

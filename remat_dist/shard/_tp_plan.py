@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from remat_dist._errors import RematUsageError
+from remat_dist._torch import _dtensor
 
 __all__ = [
     "REPLICATE",
@@ -186,6 +187,55 @@ def _check_style(key: str, style: Any, where: str) -> None:
         )
 
 
+def _takes_sequence_shards(style: Any, seq_dim: int) -> bool:
+    """True when ``style`` declares an input sharded along ``seq_dim`` (and so
+    redistributes it itself, as ``PrepareModuleInput(input_layouts=Shard(1))``)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if isinstance(style, SequenceParallel):
+        return False
+    inner = getattr(style, "prepare_module_input", None)
+    if inner is not None and _takes_sequence_shards(inner, seq_dim):
+        return True
+    for attr in ("input_layouts", "input_kwarg_layouts"):
+        for p in _placements(getattr(style, attr, None)):
+            if isinstance(p, Shard) and p.dim == seq_dim:
+                return True
+    return False
+
+
+def _check_sequence_dtensors(block: dict[str, Any], seq_dim: int) -> None:
+    """Refuse, on a torch whose DTensor cannot view a sequence shard flattened
+    (torch 2.11), a ``SequenceParallel(use_local_output=False)`` whose sequence-
+    sharded DTensor output no style of the plan takes as such: the next module
+    gets it as is, and a ``Linear`` fails deep inside DTensor."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    keys = [
+        k
+        for k, s in block.items()
+        if isinstance(s, SequenceParallel) and not s.use_local_output
+    ]
+    if not keys or any(_takes_sequence_shards(s, seq_dim) for s in block.values()):
+        return
+    if _dtensor.views_sequence_shards():
+        return
+    import torch
+
+    raise RematUsageError(
+        f"remat_dist.shard_model: tp_plan entries {', '.join(map(repr, keys))} are "
+        "SequenceParallel(use_local_output=False) and no entry takes their "
+        "sequence-sharded DTensor output as such, so the next module reshapes it "
+        f"as it comes: torch {torch.__version__}'s DTensor refuses to flatten a "
+        "sequence shard ('Attempted to flatten multiple dimensions'); torch 2.12 "
+        "and newer run such plans. Fix: install torch>=2.12, or gather the "
+        "sequence before the next module (PrepareModuleInput(input_layouts="
+        "Shard(1), desired_input_layouts=Replicate()), as "
+        "remat_dist.shard.reference_tp_plan(sequence_parallel=True) does)."
+    )
+
+
 def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
     """``tp_plan`` as a checked :class:`TensorParallelPlan` with both boundary
     layouts filled in; raises :class:`RematUsageError` for a plan that cannot be
@@ -244,6 +294,7 @@ def normalize_plan(tp_plan: TPPlanLike) -> TensorParallelPlan:
             "on full tensors (ColwiseParallel/RowwiseParallel with Replicate inputs "
             "and outputs), or move sequence-parallel modules into the blocks."
         )
+    _check_sequence_dtensors(plan.block, seq_dim)
     return TensorParallelPlan(
         block=dict(plan.block),
         root=dict(plan.root),

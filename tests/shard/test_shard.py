@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from remat_dist import RematUsageError, apply_remat, shard_model
+from remat_dist._torch import TORCH_RELEASE
 from remat_dist.models import (
     GPT,
     MLP,
@@ -165,6 +166,54 @@ def test_tp_refusals_pitfall_and_root_plan():
         tp_body, world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",), timeout=120
     )
     print(f"\n[shard_model TP] {results[0]}")
+
+
+def sequence_dtensor_body() -> str:
+    """SequenceParallel left as DTensors, gathered implicitly by the next Linear."""
+    mesh = dist_context().mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    block = {
+        "ln1": SequenceParallel(use_local_output=False),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(use_local_output=False),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    plan = TensorParallelPlan(
+        block=block, block_input="sequence", block_output="sequence"
+    )
+    batch = make_batch(CFG0, 2, seed=0)
+    if TORCH_RELEASE < (2, 12):
+        msg = _raises("'ln1', 'ln2' are SequenceParallel", shard_model, GPT(CFG0), mesh,
+                      blocks=Block, tp_plan=plan)
+        assert "torch 2.12" in msg and "PrepareModuleInput(input_layouts=" in msg
+        # gathered explicitly, the same layers run on this torch
+        gather = PrepareModuleInput(input_layouts=(Shard(1),),
+                                    desired_input_layouts=(Replicate(),))
+        block = {**block, "attention": gather, "mlp": gather}
+        plan = dataclasses.replace(plan, block=block)
+    ref = train(CFG0, batch).result
+    err = assert_same(ref, full_result(train(CFG0, batch, mesh=mesh, tp_plan=plan)),
+                      "SequenceParallel DTensor outputs", **TP_TOL)
+    return f"max error {err:.1e}"
+
+
+def test_sequence_parallel_dtensor_outputs_or_the_release_that_runs_them():
+    results = run_distributed(
+        sequence_dtensor_body, world_size=2, mesh_shape=(2,), mesh_dim_names=("tp",),
+        timeout=120,
+    )
+    print(f"\n[SequenceParallel DTensor outputs] {results[0]}")
 
 
 def test_fsdp_order_errors_and_helper():
