@@ -155,7 +155,21 @@ _call_impl_overridable = call_impl_overridable
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Instance ``forward`` of a block: the original forward in a checkpoint."""
-    return self.__dict__[BLOCK_ATTR].run(self, *args, **kwargs)
+    spec = self.__dict__[BLOCK_ATTR]
+    if torch.compiler.is_compiling():
+        _guard_on_regions(spec.regions)
+    return spec.run(self, *args, **kwargs)
+
+
+def _guard_on_regions(regions: dict[str, str]) -> None:
+    """Read each region's mode while Dynamo traces, so that the compiled block is
+    guarded on them. Dynamo does not guard on a submodule's instance
+    ``_call_impl``, which is how a region is installed: a block compiled without
+    regions would otherwise be reused, silently, for a block of the same code
+    with save regions (another model, or another plan, in the same process)."""
+    for mode in regions.values():
+        if mode == "save":
+            continue
 
 
 def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -168,7 +182,7 @@ def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     code reads them outside any region (``x + self.attention(h)``), and replay
     must feed that code real values.
     """
-    spec: RegionSpec = self.__dict__[REGION_ATTR]
+    spec: RegionSpec = getattr(self, REGION_ATTR)
     mode, run = spec.mode, spec.run
     frame = current_frame()
     if frame is not None and frame.replaying:
