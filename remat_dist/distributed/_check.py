@@ -74,7 +74,7 @@ def _check(step: StepState, ranks: tuple[int, ...]) -> None:
         step.full = PlanDigest()
         return
     try:
-        got_all = step.run_round(ranks, CHECK, plan.words(), plan.payload())
+        got_all = step.run_round(ranks, CHECK, plan.words(), plan.payload)
     except RoundFailure as f:
         step.plan_check_failed()
         raise step.round_error(ranks, f, what, PlanMismatchError) from None

@@ -21,7 +21,6 @@ from remat_dist._torch import _autograd, _fsdp
 from remat_dist._torch import _dispatch as _dk
 from remat_dist.distributed._optable import (
     _NOT_COLLECTIVES,
-    TensorMeta,
     _flatten,
     _group_info,
     _GroupInfo,
@@ -29,6 +28,7 @@ from remat_dist.distributed._optable import (
     _param_value,
     _spec_for,
     describe_signature,
+    metas_of,
 )
 from remat_dist.distributed._ready import dist_ready
 
@@ -90,18 +90,25 @@ class CollectiveCall:
     @property
     def signature(self) -> tuple[Any, ...]:
         """What verification compares: op, group, metas, parameters."""
-        if self._sig is None:
-            spec = self._spec
-            ins = tuple(TensorMeta.of(t) for t in self.input_tensors())
-            outs = (
-                ins
-                if spec.out_idx == spec.in_idx
-                else tuple(TensorMeta.of(t) for t in self.output_tensors())
+        sig = self._sig
+        if sig is None:
+            spec, args = self._spec, self.args
+            defaults = spec.defaults
+            ins = metas_of(spec.in_idx, args, defaults)
+            outs = ins if spec.same_io else metas_of(spec.out_idx, args, defaults)
+            params = (
+                tuple(
+                    (n, _param_value(n, args[i] if i < len(args) else defaults[i]))
+                    for n, i in spec.params
+                )
+                if spec.params
+                else ()
             )
-            params = tuple((n, _param_value(n, self._arg(i))) for n, i in spec.params)
-            g = self.group
-            self._sig = (spec.name, g.name, g.ranks, ins, outs, params)
-        return self._sig
+            g = self._group
+            if g is None:
+                g = self._group = _group_info(args[spec.group_idx])
+            sig = self._sig = (spec.name, g.name, g.ranks, ins, outs, params)
+        return sig
 
     def set_timeout(self, seconds: float) -> bool:
         """Issue this call with a timeout of ``seconds`` (False: the op has none)."""

@@ -67,7 +67,7 @@ class CollectiveEntry:
             kept=kept,
             packs_before=packs_before,
             _spec=call._spec,
-            _template=tuple(_template(a) for a in call.args),
+            _template=_args_template(call),
         )
 
     @property
@@ -112,6 +112,18 @@ class CollectiveEntry:
         with _bypass():
             res = spec.overload(*args)
         return _work_of(res, spec)
+
+
+def _args_template(call: CollectiveCall) -> tuple[Any, ...]:
+    """``call``'s arguments with the tensors (where its op spec says they are)
+    replaced by their metas: what :meth:`CollectiveEntry._issue_dummy` issues
+    again on zeros, without holding the tensors."""
+    spec, args = call._spec, call.args
+    out = list(args)
+    for i in spec.tensor_idx:
+        if i < len(out):
+            out[i] = _template(out[i])
+    return tuple(out)
 
 
 class CollectiveLedger:
@@ -164,7 +176,19 @@ class CollectiveLedger:
     def group_fingerprints(self) -> dict[str, str]:
         """Per process group (``name/size``): hash of the rank-invariant part of
         the entries on it. Ranks of one group compare these; other groups' entries
-        never enter (point-to-point left out)."""
+        never enter (point-to-point left out). The result is shared: read it only.
+
+        A model's checkpoints record the same few ledgers every step, so each
+        distinct ledger is hashed once (:data:`_FINGERPRINTS`)."""
+        key = tuple((e.signature, e.group_desc) for e in self.entries)
+        fps = _FINGERPRINTS.get(key)
+        if fps is None:
+            if len(_FINGERPRINTS) >= _FINGERPRINTS_KEPT:
+                _FINGERPRINTS.clear()
+            fps = _FINGERPRINTS[key] = self._group_fingerprints()
+        return fps
+
+    def _group_fingerprints(self) -> dict[str, str]:
         hashers: dict[str, Any] = {}
         counts: dict[str, int] = {}
         for e in self.entries:
@@ -199,6 +223,13 @@ class CollectiveLedger:
 
     def __repr__(self) -> str:
         return f"CollectiveLedger({len(self.entries)} entries)"
+
+
+_FINGERPRINTS: dict[tuple[Any, ...], dict[str, str]] = {}
+"""Group fingerprints by ledger content (signatures and group descriptions: plain
+values, no tensor or group object); cleared when it holds
+:data:`_FINGERPRINTS_KEPT` ledgers, so it never grows with the steps."""
+_FINGERPRINTS_KEPT = 1024
 
 
 # -------------------------------------------------------------------- results

@@ -42,12 +42,38 @@ class TensorMeta(NamedTuple):
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(t.shape), t.dtype, t.device)
+        return _new_meta(TensorMeta, (tuple(t.shape), t.dtype, t.device))
 
     def __str__(self) -> str:
         dt = _DTYPE_SHORT.get(self.dtype) or str(self.dtype).replace("torch.", "")
         where = "" if self.device.type == "cpu" else f"@{self.device}"
         return f"{dt}[{', '.join(map(str, self.shape))}]{where}"
+
+
+_new_meta = tuple.__new__
+"""``TensorMeta``'s construction without the namedtuple's Python ``__new__``
+(every recorded or verified collective makes one per tensor)."""
+
+
+def metas_of(
+    idx: tuple[int, ...], args: tuple[Any, ...], defaults: tuple[Any, ...]
+) -> tuple[TensorMeta, ...]:
+    """The metas of the tensors at ``idx`` of an op's ``args`` (a tensor or a list
+    of them, or of lists), in order: :func:`_flatten` and :meth:`TensorMeta.of`
+    in one pass, as the per-collective path needs it."""
+    out: list[TensorMeta] = []
+    n = len(args)
+    for i in idx:
+        x = args[i] if i < n else defaults[i]
+        if isinstance(x, torch.Tensor):
+            out.append(_new_meta(TensorMeta, (tuple(x.shape), x.dtype, x.device)))
+        elif isinstance(x, (list, tuple)):
+            for t in x:
+                if isinstance(t, torch.Tensor):
+                    out.append(_new_meta(TensorMeta, (tuple(t.shape), t.dtype, t.device)))
+                else:
+                    out.extend(TensorMeta.of(u) for u in _flatten(t, []))
+    return tuple(out)
 
 
 def _flatten(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -199,6 +225,10 @@ class _OpSpec:
     n_returns: int
     timeout_idx: int | None
     defaults: tuple[Any, ...]
+    same_io: bool = False
+    """The op reads and writes the same tensors (its metas are compared once)."""
+    tensor_idx: tuple[int, ...] = ()
+    """Every argument whose type holds tensors."""
 
 
 def _spec_for(name: str, overload: Any) -> _OpSpec | None:
@@ -237,6 +267,10 @@ def _spec_for(name: str, overload: Any) -> _OpSpec | None:
         n_returns=len(schema.returns),
         timeout_idx=names.index("timeout") if "timeout" in names else None,
         defaults=defaults,
+        same_io=row_out == row_in,
+        tensor_idx=tuple(
+            i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type)
+        ),
     )
 
 

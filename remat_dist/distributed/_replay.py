@@ -249,14 +249,12 @@ def _verifier(
     record: CheckpointRecord, state: LedgerState, expected: list[CollectiveEntry]
 ) -> VerifyCollectives:
     """What checks (or serves) the collectives of one replay of ``record``."""
-    import torch.distributed as dist
-
     served = any(e.kept is not None for e in expected)
     cls = ServeCollectives if served else VerifyCollectives
     return cls(
         expected,
         label=record.name,
-        rank=dist.get_rank(),
+        rank=_step.current_step().rank,
         op_timeout=_step.replay_timeout(),
         forward_total=len(state.ledger),
     )

@@ -56,11 +56,17 @@ class Rounds:
         self.made = 0
 
     def post(
-        self, stake: Stake, kind: int, words: list[int], explain_with: bytes, timeout: float
+        self,
+        stake: Stake,
+        kind: int,
+        words: list[int],
+        explain_with: Callable[[], bytes],
+        timeout: float,
     ) -> Callable[[], dict[int, bytes] | None]:
         """Post a round of ``kind`` among ``stake`` now; the returned function
         finishes it: None when every rank sent equal ``words`` (a report: when
-        no rank's first word is set), else every rank's ``explain_with``. It
+        no rank's first word is set), else every rank's ``explain_with()`` (made
+        only then). It
         raises :class:`RoundFailure` where the round failed, with ``reason="out
         of step"`` where the ranks ran rounds of different kinds."""
         tagged = tagged_words(kind, words)
@@ -86,12 +92,17 @@ class Rounds:
             check_tag(got, kind, stake, KINDS)
             if got[2] == 0 if kind == REPORT else all_equal(got[2:], words):
                 return None
-            return self._run(stake, kind, lambda g: g.gather(explain_with, timeout))
+            return self._run(stake, kind, lambda g: g.gather(explain_with(), timeout))
 
         return finish
 
     def run(
-        self, stake: Stake, kind: int, words: list[int], explain_with: bytes, timeout: float
+        self,
+        stake: Stake,
+        kind: int,
+        words: list[int],
+        explain_with: Callable[[], bytes],
+        timeout: float,
     ) -> dict[int, bytes] | None:
         """:meth:`post` and its finish, at once."""
         return self.post(stake, kind, words, explain_with, timeout)()

@@ -42,6 +42,7 @@ import json
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,7 +365,7 @@ class StepState:
 
     # -- the rounds
     def run_round(
-        self, stake: Stake, kind: int, words: list[int], explain_with: bytes
+        self, stake: Stake, kind: int, words: list[int], explain_with: Callable[[], bytes]
     ) -> dict[int, bytes] | None:
         """One round among ``stake`` now, bounded by the replay timeout
         (:meth:`Rounds.post`)."""
@@ -422,7 +423,7 @@ class StepState:
         self.stats.agreements += 1
         what = f"the plan agreement of ranks {list(stake)}"
         round_ = self.rounds.post(
-            stake, AGREE, plan.words(), plan.payload(), _PROCESS.timeout
+            stake, AGREE, plan.words(), plan.payload, _PROCESS.timeout
         )
 
         def finish() -> None:
@@ -481,7 +482,9 @@ class StepState:
             what = f"the end-of-backward report of ranks {list(stake)}"
             t0 = time.perf_counter()
             try:
-                msgs = self.run_round(stake, REPORT, flags, (failure or "").encode())
+                msgs = self.run_round(
+                    stake, REPORT, flags, (failure or "").encode
+                )
             except RoundFailure as f:
                 errors.append(self.round_error(stake, f, what, CollectiveReplayError))
                 continue

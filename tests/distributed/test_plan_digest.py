@@ -54,3 +54,33 @@ def test_an_entry_changed_after_it_was_added_does_not_change_the_digest():
     changed = PlanDigest()
     changed.add(plan, {})
     assert changed.value() != reference.value()
+
+
+def _ledger(shape: tuple[int, ...], op: str = "allreduce_", desc: str = "tp"):
+    import torch
+
+    from remat_dist.distributed._ledger import CollectiveEntry, CollectiveLedger
+    from remat_dist.distributed._optable import TensorMeta, _spec_for
+
+    spec = _spec_for(op, getattr(torch.ops.c10d, op).default)
+    meta = (TensorMeta(shape, torch.float32, torch.device("cpu")),)
+    entry = CollectiveEntry(
+        position=0, op=op, group_name="1", group_ranks=(0, 1), group_desc=desc,
+        inputs=meta, outputs=meta, params=(("reduce_op", "SUM"),), _spec=spec,
+    )
+    return CollectiveLedger([entry])
+
+
+def test_a_ledger_seen_before_gets_its_own_fingerprints_and_the_memo_stays_bounded():
+    import torch.distributed  # noqa: F401  (registers the c10d ops)
+
+    from remat_dist.distributed._ledger import _FINGERPRINTS, _FINGERPRINTS_KEPT
+
+    first = _ledger((4, 64)).group_fingerprints()
+    assert _ledger((4, 65)).group_fingerprints() != first
+    assert _ledger((4, 64), desc="dp").group_fingerprints() != first
+    assert _ledger((4, 64)).group_fingerprints() == first  # served from the memo
+    assert first == _ledger((4, 64))._group_fingerprints()  # as computed afresh
+    for n in range(2 * _FINGERPRINTS_KEPT):  # a job whose shapes never repeat
+        _ledger((n, 8)).group_fingerprints()
+        assert len(_FINGERPRINTS) <= _FINGERPRINTS_KEPT
