@@ -96,17 +96,8 @@ class CollectiveCall:
             defaults = spec.defaults
             ins = metas_of(spec.in_idx, args, defaults)
             outs = ins if spec.same_io else metas_of(spec.out_idx, args, defaults)
-            params = (
-                tuple(
-                    (n, _param_value(n, args[i] if i < len(args) else defaults[i]))
-                    for n, i in spec.params
-                )
-                if spec.params
-                else ()
-            )
-            g = self._group
-            if g is None:
-                g = self._group = _group_info(args[spec.group_idx])
+            params = tuple((n, _param_value(n, self._arg(i))) for n, i in spec.params)
+            g = self.group
             sig = self._sig = (spec.name, g.name, g.ranks, ins, outs, params)
         return sig
 

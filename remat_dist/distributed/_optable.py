@@ -59,21 +59,12 @@ def metas_of(
     idx: tuple[int, ...], args: tuple[Any, ...], defaults: tuple[Any, ...]
 ) -> tuple[TensorMeta, ...]:
     """The metas of the tensors at ``idx`` of an op's ``args`` (a tensor or a list
-    of them, or of lists), in order: :func:`_flatten` and :meth:`TensorMeta.of`
-    in one pass, as the per-collective path needs it."""
-    out: list[TensorMeta] = []
+    of them, or of lists), in order."""
+    tensors: list[torch.Tensor] = []
     n = len(args)
     for i in idx:
-        x = args[i] if i < n else defaults[i]
-        if isinstance(x, torch.Tensor):
-            out.append(_new_meta(TensorMeta, (tuple(x.shape), x.dtype, x.device)))
-        elif isinstance(x, (list, tuple)):
-            for t in x:
-                if isinstance(t, torch.Tensor):
-                    out.append(_new_meta(TensorMeta, (tuple(t.shape), t.dtype, t.device)))
-                else:
-                    out.extend(TensorMeta.of(u) for u in _flatten(t, []))
-    return tuple(out)
+        _flatten(args[i] if i < n else defaults[i], tensors)
+    return tuple(map(TensorMeta.of, tensors))
 
 
 def _flatten(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:

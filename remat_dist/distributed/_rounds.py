@@ -96,17 +96,6 @@ class Rounds:
 
         return finish
 
-    def run(
-        self,
-        stake: Stake,
-        kind: int,
-        words: list[int],
-        explain_with: Callable[[], bytes],
-        timeout: float,
-    ) -> dict[int, bytes] | None:
-        """:meth:`post` and its finish, at once."""
-        return self.post(stake, kind, words, explain_with, timeout)()
-
     def error(
         self, stake: Stake, f: RoundFailure, what: str, kind: type, timeout: float
     ) -> Exception:

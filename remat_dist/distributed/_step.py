@@ -370,7 +370,7 @@ class StepState:
         """One round among ``stake`` now, bounded by the replay timeout
         (:meth:`Rounds.post`)."""
         self._stake(stake)
-        return self.rounds.run(stake, kind, words, explain_with, _PROCESS.timeout)
+        return self.rounds.post(stake, kind, words, explain_with, _PROCESS.timeout)()
 
     def round_error(
         self, stake: Stake, f: RoundFailure, what: str, kind: type
