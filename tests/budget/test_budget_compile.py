@@ -20,7 +20,11 @@ CONFIG = GPTConfig(vocab_size=512, seq_len=16, dim=32, n_heads=4, n_layers=4)
 OPTIONS = {"backend": "aot_eager", "fullgraph": True}
 
 
-def _train(policy, steps: int = 4, options=OPTIONS):
+def _cross_entropy(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train(policy, steps: int = 4, options=OPTIONS, loss_fn=_cross_entropy):
     """Plain steps: per step the peak of every byte saved (the loss
     included), the loss, the gradients, and the graphs Dynamo had made."""
     from torch._dynamo.utils import counters
@@ -40,10 +44,11 @@ def _train(policy, steps: int = 4, options=OPTIONS):
         tokens, targets = make_batch(CONFIG, 4, seed=step)
         meter.reset()
         with meter:
-            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss = loss_fn(model(tokens), targets)
             loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         out.append((meter.peak, loss.detach(), grads, counters["stats"]["unique_graphs"]))
+        model.loss_part = meter.peak - meter.forward_peak
         model.zero_grad(set_to_none=True)
     return out, model
 
@@ -107,6 +112,32 @@ def test_inductor_budget_prices_min_cut_per_block_and_holds():
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6)
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
+    graphs = [g for _, _, _, g in runs]
+    assert graphs[1] == graphs[2] == graphs[3]
+
+
+@pytest.mark.slow  # compiles the blocks, the pricing graphs and the loss
+def test_a_compiled_loss_outside_the_model_is_inside_the_compiled_budget():
+    """A loss compiled apart from the model (as torchtitan compiles its loss;
+    the way to run a language model's loss fused when the budget compiles the
+    blocks): the profiling step sees what the compiled loss saves, the plan
+    counts it, and every step's peak of all saved bytes, that loss included,
+    stays at or under the budget; the loss's share of the last step equals the
+    plan's ``loss_bytes``; losses and gradients bitwise those of the blocks
+    compiled without remat with the same compiled loss; no recompile per step."""
+    loss_fn = torch.compile(_cross_entropy, **OPTIONS)
+    ref, _ = _train(None, loss_fn=loss_fn)
+    lo = _train("full", steps=1, loss_fn=loss_fn)[0][0][0]
+    budget = (lo + ref[1][0]) // 2
+    runs, model = _train(remat.MemoryBudget(bytes=budget, compile=OPTIONS), loss_fn=loss_fn)
+    plan = remat.budget.current_plan(model)
+    assert plan is not None and set(plan.decisions().values()) != {"full"}
+    assert plan.loss_bytes > 0 and model.loss_part == plan.loss_bytes
+    for step, (peak, _, _, _) in enumerate(runs):
+        assert peak <= budget, (step, peak, budget)
+    for (_, loss, grads, _), (_, ref_loss, ref_grads, _) in zip(runs, ref):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
     graphs = [g for _, _, _, g in runs]
     assert graphs[1] == graphs[2] == graphs[3]
 
