@@ -7,19 +7,22 @@ issued on replay and reports at backward's end. The 2-rank ``benchmarks.dist`` r
 cannot resolve a 5% target on a shared 2-core box (their intervals are 8-13
 points wide). This script runs the same model and layout (the reference GPT, dim
 128, 4 blocks, seq 64, batch 4, the reference TP plan on 2 gloo ranks it starts
-itself), four variants interleaved over many iterations in a rotating order (no
+itself), five variants interleaved over many iterations in a rotating order (no
 checkpointing, ``torch.utils.checkpoint`` per block, remat_dist per block with
-``collectives="replay"``, and ``torch.utils.checkpoint`` with two plain gloo
+``collectives="replay"``, ``torch.utils.checkpoint`` with two plain gloo
 ``all_reduce`` of 6 int64 per step where remat_dist runs its two rounds: the
 control that says what two small gloo round trips cost this step on torch's own
-API), and reports per step:
+API, and ``torch.utils.checkpoint`` with every collective passed through
+remat_dist's Python kernel doing nothing: the floor of seeing collectives from
+Python), and reports per step:
 
 * ``cpu``: the CPU time of both ranks together (what the checking costs, without
   the peers' jitter: a rank waiting on gloo sleeps);
 * ``wall``: the slower rank's wall time, what a user waits for.
 
 Each as ratios within one iteration, remat_dist over torch's (``x_torch``, the
-target) and each checkpointing variant over no checkpointing (``x_none``), with
+target), each checkpointing variant over no checkpointing (``x_none``), and
+remat_dist and the interception floor over the control (``x_control``), with
 the median over iterations and its seeded bootstrap 95% interval, and the
 collectives each variant issues per step; it writes JSON. remat_dist's rounds
 (one agreement and one report per step) run on the TP group's stake group; the
@@ -48,12 +51,20 @@ from typing import Any
 
 from benchmarks._torchrun import child_env
 
-VARIANTS = ("none", "torch.utils.checkpoint", "remat replay", "torch + 2 gloo rounds")
+VARIANTS = (
+    "none", "torch.utils.checkpoint", "remat replay", "torch + 2 gloo rounds",
+    "torch + interception",
+)
 ROUNDS = "torch + 2 gloo rounds"
 """``torch.utils.checkpoint`` plus what remat_dist's two rounds would be on torch's
 own API: a ``dist.all_reduce`` (MAX) of 6 int64 on a gloo group of the same
 ranks when backward starts (a hook on the loss) and one after it: what two
 small gloo collectives cost this step, the control for remat_dist's rounds."""
+INTERCEPTED = "torch + interception"
+"""``torch.utils.checkpoint`` with every collective of the step passed through
+remat_dist's Python dispatcher kernel, which does nothing with it: what seeing
+each collective from Python costs by itself (torch boxing the call's arguments
+for Python and back), the floor under recording and verifying them."""
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -93,6 +104,7 @@ def _rank_main(out_path: str, iters: int) -> None:
         RecordCollectives,
         observe_collectives,
     )
+    from remat_dist.distributed._intercept import set_step_hooks
     from remat_dist.models import GPT, Block, GPTConfig, make_batch
 
     torch.set_num_threads(1)
@@ -105,7 +117,7 @@ def _rank_main(out_path: str, iters: int) -> None:
         model = GPT(config)
         if variant == "remat replay":
             remat.apply_remat(model, blocks=Block, collectives="replay")
-        elif variant in ("torch.utils.checkpoint", ROUNDS):
+        elif variant in ("torch.utils.checkpoint", ROUNDS, INTERCEPTED):
             _torch_checkpoint_blocks(model, tuc)
         remat.shard_model(model, mesh, blocks=Block, tp_plan=remat.shard.reference_tp_plan())
         return model
@@ -117,12 +129,16 @@ def _rank_main(out_path: str, iters: int) -> None:
         dist.all_reduce(words, op=dist.ReduceOp.MAX, group=rounds_group)
 
     def step(v: str) -> None:
+        if v == INTERCEPTED:
+            set_step_hooks(lambda: None, lambda ranks: None)
         loss = models[v].loss(tokens, targets)
         if v == ROUNDS:
             loss.register_hook(lambda g: (gloo_round(), g)[1])
         loss.backward()
         if v == ROUNDS:
             gloo_round()
+        if v == INTERCEPTED:
+            set_step_hooks(None, None)
 
     try:
         models = {v: build(v) for v in VARIANTS}
@@ -210,7 +226,7 @@ def main() -> None:
 
     raw = _launch(args.iters)
     ranks = raw["ranks"]
-    none, base, mine, control = VARIANTS
+    none, base, mine, control, intercepted = VARIANTS
     per_step = {
         # both ranks' CPU time per iteration; the slower rank's wall time
         "cpu": {v: [sum(r["cpu"][v][i] for r in ranks) for i in range(args.iters)]
@@ -248,6 +264,17 @@ def main() -> None:
             f"{row['torch_ms']:9.2f} {row['remat_ms']:9.2f}"
             + "".join(f" {m:8.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in cells)
         )
+    out["x_control"] = {}
+    print("over the control (torch + 2 gloo rounds), median [95%]:")
+    for measure, series in per_step.items():
+        cells = {}
+        for v in (mine, intercepted):
+            ratios = [a / b for a, b in zip(series[v], series[control])]
+            cells[v] = {"median": statistics.median(ratios), "ci95": _median_ci95(ratios)}
+        out["x_control"][measure] = cells
+        print(f"  {measure:6s} " + "  ".join(
+            f"{v} {c['median']:.4f} [{c['ci95'][0]:.4f}, {c['ci95'][1]:.4f}]"
+            for v, c in cells.items()))
     if ranks[0]["threads"][none]:
         out["thread_cpu_ms_per_step"] = {}
         print("CPU ms per step and rank, by thread (mean of the ranks):")

@@ -136,6 +136,12 @@ def test_tp_overhead_script_issues_the_same_collectives_and_writes_json(tmp_path
     for row in result["rows"].values():
         lo, hi = row["x_torch_ci95"]
         assert lo <= row["x_torch"] <= hi
+    assert counts["torch + interception"] == counts["torch.utils.checkpoint"]
+    assert set(result["x_control"]) == {"cpu", "wall"}
+    for row in result["x_control"].values():
+        for v in ("remat replay", "torch + interception"):
+            lo, hi = row[v]["ci95"]
+            assert lo <= row[v]["median"] <= hi
     assert set(result["x_none"]) == {"cpu", "wall"}
     for row in result["x_none"].values():
         assert row["none_ms"] > 0
