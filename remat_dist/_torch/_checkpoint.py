@@ -33,6 +33,7 @@ __all__ = [
     "is_input_padding",
     "run_checkpoint",
     "selective_checkpoint_contexts",
+    "sac_bypasses_saved_tensor_hooks",
 ]
 
 StopRecomputationError: type[BaseException] = _tc._StopRecomputationError
@@ -328,6 +329,17 @@ def selective_checkpoint_contexts(policy: Callable[..., Any]) -> tuple[Any, Any]
         return answer
 
     return _tc.create_selective_checkpoint_contexts(forward_answers)
+
+
+def sac_bypasses_saved_tensor_hooks(forward_context: Any) -> None:
+    """Keep the tensors torch's selective checkpoint caches (``forward_context``:
+    its forward mode) out of the saved-tensor hooks around it, as every supported
+    torch does by default. torch 2.14 and newer ask for the choice
+    (``respect_saved_tensors_hooks``, set by torch's checkpoint only on a mode it
+    is handed directly) and warn while it is left to a default a later release
+    flips."""
+    if hasattr(forward_context, "respect_saved_tensors_hooks"):
+        forward_context.respect_saved_tensors_hooks = False
 
 
 def _sac_asks_on_recompute() -> bool:

@@ -72,6 +72,7 @@ from remat_dist._errors import RematUsageError
 from remat_dist._torch._checkpoint import (
     CHECKPOINT_EXITS_ON_ERROR,
     exit_left_checkpoints,
+    sac_bypasses_saved_tensor_hooks,
     selective_checkpoint_contexts,
 )
 from remat_dist._torch._dynamo import assume_constant_result
@@ -264,6 +265,7 @@ def _sac_contexts() -> tuple[Any, Any]:
     forward, recompute = selective_checkpoint_contexts(_policy)
     if _tracing():
         return forward, recompute
+    sac_bypasses_saved_tensor_hooks(forward)
     states = RuntimeStates(_record._SEAMS.hooks_provider())
     return RuntimeContext(forward, states, False), RuntimeContext(recompute, states, True)
 

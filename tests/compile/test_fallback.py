@@ -157,6 +157,42 @@ def test_block_graph_break_equals_eager_remat(monkeypatch):
     assert_grads_equal(*grads)
 
 
+def test_graph_break_under_saved_tensor_hooks_keeps_save_regions_out_of_them():
+    """After a graph break torch's selective checkpoint runs for real, here under
+    ``SavedBytesCounter``'s saved-tensor hooks: the save region's kept tensors
+    stay in the checkpoint's storage, out of the hooks, as on every supported
+    torch. torch 2.14 and newer warn (``FutureWarning``) unless the checkpoint
+    says so itself, since a later release routes them through the hooks by
+    default; remat_dist says so: no warning, and the bytes the hooks see and the
+    gradients equal those of the first compiled step."""
+    import warnings
+
+    from remat_dist.models import MLP, Block, GPTConfig
+    from tests.compile._common import step
+
+    forward = MLP.forward
+
+    def breaking(self, x):
+        torch._dynamo.graph_break()
+        return forward(self, x)
+
+    cfg = GPTConfig(seq_len=16, dim=32, n_heads=4, dropout=0.0)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    fresh_dynamo()
+    torch.manual_seed(0)
+    block = Block(cfg)
+    remat.apply_remat(torch.nn.Sequential(block), blocks=Block, policy={"attention": "save"})
+    block.compile(backend="aot_eager")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MLP, "forward", breaking)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            runs = [step(block, x, lambda y: y.square().sum()) for _ in range(2)]
+    (bytes0, grads0), (bytes1, grads1) = runs
+    assert bytes0 == bytes1 > 0
+    assert_grads_equal(grads0, grads1)
+
+
 def test_compiled_remat_inside_eager_checkpoint_refused():
     """A compiled function with a save region (or a checkpoint) called inside an
     eager checkpoint is refused at trace time (the eager record cannot see it)."""
