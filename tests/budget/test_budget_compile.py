@@ -53,6 +53,16 @@ def _train(policy, steps: int = 4, options=OPTIONS, loss_fn=_cross_entropy):
     return out, model
 
 
+def _assert_within_budget_and_bitwise(runs, ref, budget):
+    """Every step's peak at or under ``budget``; losses and gradients bitwise
+    those of ``ref``."""
+    for step, (peak, _, _, _) in enumerate(runs):
+        assert peak <= budget, (step, peak, budget)
+    for (_, loss, grads, _), (_, ref_loss, ref_grads, _) in zip(runs, ref):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
 @pytest.mark.slow  # compiles the blocks and the pricing graphs
 def test_compiled_budget_is_bitwise_within_budget_and_compiles_once():
     """Half-way between the compiled model's whole-step peak without remat and
@@ -70,11 +80,7 @@ def test_compiled_budget_is_bitwise_within_budget_and_compiles_once():
     plan = remat.budget.current_plan(model)
     assert plan is not None and set(plan.decisions().values()) != {"full"}
     assert plan.measured_bytes == plan.predicted_bytes - plan.loss_bytes
-    for step, (peak, _, _, _) in enumerate(runs):
-        assert peak <= budget, (step, peak, budget)
-    for (_, loss, grads, _), (_, ref_loss, ref_grads, _) in zip(runs, ref):
-        assert torch.equal(loss, ref_loss)
-        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    _assert_within_budget_and_bitwise(runs, ref, budget)
     graphs = [g for _, _, _, g in runs]
     candidates = len(plan.blocks[0].candidates)
     assert not any(c.startswith("min-cut") for c in plan.blocks[0].candidates)  # not inductor
@@ -133,11 +139,7 @@ def test_a_compiled_loss_outside_the_model_is_inside_the_compiled_budget():
     plan = remat.budget.current_plan(model)
     assert plan is not None and set(plan.decisions().values()) != {"full"}
     assert plan.loss_bytes > 0 and model.loss_part == plan.loss_bytes
-    for step, (peak, _, _, _) in enumerate(runs):
-        assert peak <= budget, (step, peak, budget)
-    for (_, loss, grads, _), (_, ref_loss, ref_grads, _) in zip(runs, ref):
-        assert torch.equal(loss, ref_loss)
-        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    _assert_within_budget_and_bitwise(runs, ref, budget)
     graphs = [g for _, _, _, g in runs]
     assert graphs[1] == graphs[2] == graphs[3]
 

@@ -129,11 +129,9 @@ def test_graph_break_recompute_inside_save_refused():
         _run_graph_break(remat.checkpoint(region_name="blk")(body))
 
 
-def test_block_graph_break_equals_eager_remat(monkeypatch):
-    """A GPT block with a graph break in its MLP, attention kept: the same grads as
-    eager remat."""
-    from remat_dist.models import MLP, Block, GPTConfig
-    from tests.compile._common import step
+def _break_in_mlp(monkeypatch):
+    """A graph break in every GPT MLP's forward; a small block config and input."""
+    from remat_dist.models import MLP, GPTConfig
 
     forward = MLP.forward
 
@@ -143,7 +141,16 @@ def test_block_graph_break_equals_eager_remat(monkeypatch):
 
     monkeypatch.setattr(MLP, "forward", breaking)
     cfg = GPTConfig(seq_len=16, dim=32, n_heads=4, dropout=0.0)
-    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    return cfg, torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+
+
+def test_block_graph_break_equals_eager_remat(monkeypatch):
+    """A GPT block with a graph break in its MLP, attention kept: the same grads as
+    eager remat."""
+    from remat_dist.models import Block
+    from tests.compile._common import step
+
+    cfg, x = _break_in_mlp(monkeypatch)
     grads = []
     for compiled in (False, True):
         fresh_dynamo()
@@ -157,7 +164,7 @@ def test_block_graph_break_equals_eager_remat(monkeypatch):
     assert_grads_equal(*grads)
 
 
-def test_graph_break_under_saved_tensor_hooks_keeps_save_regions_out_of_them():
+def test_graph_break_under_saved_tensor_hooks_keeps_save_regions_out_of_them(monkeypatch):
     """After a graph break torch's selective checkpoint runs for real, here under
     ``SavedBytesCounter``'s saved-tensor hooks: the save region's kept tensors
     stay in the checkpoint's storage, out of the hooks, as on every supported
@@ -167,27 +174,18 @@ def test_graph_break_under_saved_tensor_hooks_keeps_save_regions_out_of_them():
     gradients equal those of the first compiled step."""
     import warnings
 
-    from remat_dist.models import MLP, Block, GPTConfig
+    from remat_dist.models import Block
     from tests.compile._common import step
 
-    forward = MLP.forward
-
-    def breaking(self, x):
-        torch._dynamo.graph_break()
-        return forward(self, x)
-
-    cfg = GPTConfig(seq_len=16, dim=32, n_heads=4, dropout=0.0)
-    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    cfg, x = _break_in_mlp(monkeypatch)
     fresh_dynamo()
     torch.manual_seed(0)
     block = Block(cfg)
     remat.apply_remat(torch.nn.Sequential(block), blocks=Block, policy={"attention": "save"})
     block.compile(backend="aot_eager")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(MLP, "forward", breaking)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)
-            runs = [step(block, x, lambda y: y.square().sum()) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        runs = [step(block, x, lambda y: y.square().sum()) for _ in range(2)]
     (bytes0, grads0), (bytes1, grads1) = runs
     assert bytes0 == bytes1 > 0
     assert_grads_equal(grads0, grads1)
