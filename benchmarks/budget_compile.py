@@ -10,17 +10,28 @@ one run so that the ratios compare on a noisy machine:
   save); its measured bytes are the matched level for the ``MemoryBudget`` row;
 * ``min-cut <f> blocks``: the same level with the budget's compile scope, each
   block compiled and the code around them (embedding, head, loss) eager;
-* ``MemoryBudget <f>``: ``MemoryBudget(bytes=<min-cut's bytes>,
+* ``MemoryBudget <f>``: ``MemoryBudget(bytes=<the bytes min-cut <f> kept>,
   compile=...)``: eager profiling step pricing every candidate compiled (with
-  inductor also each block at a min-cut level of its own), then each block
-  compiled once with the plan.
+  inductor also each block at min-cut levels of its own), then each block
+  compiled once with the plan; its ``x matched`` is its step time over
+  ``min-cut <f>``'s;
+* ``MemoryBudget <f> blocks``: the same with the bytes ``min-cut <f> blocks``
+  kept, its ``x matched`` over that row's: equal bytes at the same compile
+  scope, the comparison for a model compiled per block as torchtitan does.
 
-Bytes: the peak of every byte saved for backward over a whole step, the loss
-included (unique storages, parameters apart;
-``remat_dist.testing.PeakSavedBytes(whole_step=True)``),
-after warm-up; time: the median step (forward, loss, backward) in the process's
-CPU time on one thread (``--threads``), which other processes on shared cores do
-not inflate (``wall_ms``, the wall-clock median, is in the JSON).
+Every variant is built and warmed first (compiled; the budget's profiling step
+run), then ``--iters`` rounds time one step (forward, loss, backward) of each
+variant in a rotating order, in the process's CPU time on one thread
+(``--threads``). The ratios (``x compile``, ``x min-cut``) are the median over
+rounds of the ratio within a round, so a machine that slows down between rounds
+slows both sides alike; ``x min-cut`` comes with a seeded bootstrap 95%
+interval. Each min-cut level compiles with a backend of its own, so no two
+variants share a graph, and a graph compiled while timing is an error. Bytes:
+the peak of every byte saved for backward over a whole step, the loss included
+(unique storages, parameters apart;
+``remat_dist.testing.PeakSavedBytes(whole_step=True)``), over two steps after
+warm-up. ``time_ms`` (CPU) and ``wall_ms`` (wall clock) are the medians over
+rounds.
 
     python benchmarks/budget_compile.py --json budget_compile.json
 """
@@ -86,84 +97,146 @@ def _llama(args):
     return build, step, (lambda m: list(m.model.layers)), {}
 
 
-def _measure(model, step, args) -> dict[str, Any]:
-    """The peak over the timed steps and their median time (after ``--warmup``
-    steps: the budget's profiling step and the compiles)."""
+def _min_cut(fraction: float):
+    """Inductor under ``activation_memory_budget=fraction``: one backend object
+    per fraction, so that Dynamo keeps a graph per fraction (graphs compiled
+    for one backend are not reused by another)."""
+    inductor = torch._dynamo.lookup_backend("inductor")
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return inductor(gm, example_inputs)
+
+    backend.__name__ = f"inductor_min_cut_{fraction:g}"
+    return backend
+
+
+def _peak(model, run, steps: int) -> int:
+    """The peak of every byte saved for backward over ``steps`` whole steps."""
     meter = PeakSavedBytes(model, whole_step=True)
-    peak, times = 0, []
-    for i in range(args.warmup + args.iters):
-        for p in model.parameters():
-            p.grad = None
+    peak = 0
+    for _ in range(steps):
         meter.reset()
-        t0, c0 = time.perf_counter(), time.process_time()
         with meter:
-            step(model)
-        if i >= args.warmup:
-            times.append((time.process_time() - c0, time.perf_counter() - t0))
-            peak = max(peak, meter.peak)
-    return {"saved_bytes": peak, "time_ms": 1e3 * statistics.median(t for t, _ in times),
-            "wall_ms": 1e3 * statistics.median(w for _, w in times)}
+            run()
+        peak = max(peak, meter.peak)
+    return peak
+
+
+def _interval(ratios: list[float], seed: int = 0) -> tuple[float, float]:
+    """A seeded bootstrap 95% interval of the median of ``ratios``."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(ratios)
+    medians = sorted(
+        statistics.median(ratios[i] for i in torch.randint(0, n, (n,), generator=gen).tolist())
+        for _ in range(1000)
+    )
+    return medians[25], medians[974]
 
 
 def run_model(name: str, args) -> list[dict[str, Any]]:
+    """Every variant built and warmed (compiled, the budget's profiling step run),
+    its bytes measured, then ``--iters`` rounds that time one step of each variant
+    in a rotating order: ratios are taken within a round, so that a machine that
+    slows down slows every variant of the round alike."""
     build, step, blocks_of, apply_kw = {"gpt": _gpt, "llama": _llama}[name](args)
-    rows: list[dict[str, Any]] = []
     options = {"fullgraph": name == "gpt"}
+    variants: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
 
-    def add(variant, model, **extra):
-        torch._dynamo.reset()
-        row = {"model": name, "variant": variant, **_measure(model, step, args), **extra}
-        rows.append(row)
-        print(f"  {name:<6} {variant:<22} {row['saved_bytes'] / 2**20:8.2f} MiB "
-              f"{row['time_ms']:9.1f} ms", file=sys.stderr, flush=True)
-        return row
+    def add(variant, model, call=None, **extra):
+        call = model if call is None else call
+
+        def run():
+            for p in model.parameters():
+                p.grad = None
+            step(call)
+
+        for _ in range(args.warmup):
+            run()
+        rows[variant] = {"model": name, "variant": variant,
+                         "saved_bytes": _peak(model, run, 2), **extra}
+        variants[variant] = run
+        print(f"  {name:<6} {variant:<22} {rows[variant]['saved_bytes'] / 2**20:8.2f} MiB",
+              file=sys.stderr, flush=True)
+        return rows[variant]
 
     add("eager no AC", build())
     m = build()
     for b in blocks_of(m):
         b.compile(**options)
-    base = add("compile no AC", m)
+    add("compile no AC", m)
     for f in args.fractions:
-        torch._dynamo.reset()
-        with torch._functorch.config.patch(activation_memory_budget=f):
-            cut = add(f"min-cut {f:g}", torch.compile(build()), fraction=f)
+        m = build()
+        add(f"min-cut {f:g}", m, torch.compile(m, backend=_min_cut(f)), fraction=f)
         # the same partitioner at the same level with the budget's compile
         # scope: each block compiled, the code around them eager
-        torch._dynamo.reset()
-        with torch._functorch.config.patch(activation_memory_budget=f):
-            m = build()
-            for b in blocks_of(m):
-                b.compile(**options)
-            add(f"min-cut {f:g} blocks", m, fraction=f)
-        budget = cut["saved_bytes"]
         m = build()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            remat.apply_remat(m, policy=remat.MemoryBudget(bytes=budget, compile=options),
-                              **apply_kw)
-        try:
-            ours = add(f"MemoryBudget {f:g}", m, fraction=f, budget_bytes=budget)
-        except remat.RematUsageError as e:  # below the blocks' full recompute
-            smallest = int(str(e).split("smallest feasible budget is ")[1].split()[0]
-                           .replace(",", ""))
-            rows.append({"model": name, "variant": f"MemoryBudget {f:g}", "fraction": f,
-                         "budget_bytes": budget, "infeasible": True,
-                         "smallest_bytes": smallest})
-            print(f"  {name:<6} MemoryBudget {f:g}: infeasible, smallest "
-                  f"{smallest / 2**20:.2f} MiB", file=sys.stderr, flush=True)
-            continue
-        ours["decisions"] = list(remat.budget.current_plan(m).decisions().values())
-        ours["x_min_cut"] = ours["time_ms"] / cut["time_ms"]
-        ours["within_budget"] = ours["saved_bytes"] <= budget
-    for r in rows:
-        if "time_ms" in r:
-            r["x_compile_no_ac"] = r["time_ms"] / base["time_ms"]
-    return rows
+        for b in blocks_of(m):
+            b.compile(backend=_min_cut(f), **options)
+        add(f"min-cut {f:g} blocks", m, fraction=f)
+        for matched in (f"min-cut {f:g}", f"min-cut {f:g} blocks"):
+            _add_budget(name, f, matched, rows, build, apply_kw, options, add)
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    names = list(variants)
+    times: dict[str, list[float]] = {v: [] for v in names}
+    walls: dict[str, list[float]] = {v: [] for v in names}
+    for i in range(args.iters):
+        k = i % len(names)
+        for v in names[k:] + names[:k]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            variants[v]()
+            times[v].append(time.process_time() - c0)
+            walls[v].append(time.perf_counter() - t0)
+    recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    if recompiled:
+        raise RuntimeError(f"{name}: {recompiled} graph(s) compiled while timing; "
+                           "the variants' graphs must all exist before the rounds")
+
+    def paired(v: str, ref: str) -> tuple[float, tuple[float, float]]:
+        ratios = [a / b for a, b in zip(times[v], times[ref])]
+        return statistics.median(ratios), _interval(ratios)
+
+    for v in names:
+        row = rows[v]
+        row["time_ms"] = 1e3 * statistics.median(times[v])
+        row["wall_ms"] = 1e3 * statistics.median(walls[v])
+        row["x_compile_no_ac"] = paired(v, "compile no AC")[0]
+        if "matched" in row:
+            ratio, interval = paired(v, row["matched"])
+            row["x_matched"], row["x_matched_95"] = ratio, list(interval)
+    return list(rows.values())
+
+
+def _add_budget(name, f, matched, rows, build, apply_kw, options, add) -> None:
+    """``MemoryBudget(bytes=<what the variant ``matched`` kept>)``, or a row that
+    says the budget is below the blocks' full recompute."""
+    variant = "MemoryBudget " + matched.split(" ", 1)[1]
+    budget = rows[matched]["saved_bytes"]
+    m = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        remat.apply_remat(m, policy=remat.MemoryBudget(bytes=budget, compile=options),
+                          **apply_kw)
+    try:
+        ours = add(variant, m, fraction=f, budget_bytes=budget, matched=matched)
+    except remat.RematUsageError as e:
+        smallest = int(str(e).split("smallest feasible budget is ")[1].split()[0]
+                       .replace(",", ""))
+        rows[variant] = {"model": name, "variant": variant, "fraction": f,
+                         "matched": matched, "budget_bytes": budget, "infeasible": True,
+                         "smallest_bytes": smallest}
+        print(f"  {name:<6} {variant}: infeasible, smallest {smallest / 2**20:.2f} MiB",
+              file=sys.stderr, flush=True)
+        return
+    ours["decisions"] = list(remat.budget.current_plan(m).decisions().values())
+    ours["within_budget"] = ours["saved_bytes"] <= budget
 
 
 def format_table(rows) -> str:
     head = (f"{'model':<6} {'variant':<20} {'saved MiB':>10} {'time ms':>9} "
-            f"{'x compile':>10} {'x min-cut':>10}  plan")
+            f"{'x compile':>10} {'x matched [95%]':>23}  plan")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("infeasible"):
@@ -171,7 +244,8 @@ def format_table(rows) -> str:
                          f"recompute: smallest budget {r['smallest_bytes'] / 2**20:.2f} MiB "
                          f"(min-cut kept {r['budget_bytes'] / 2**20:.2f} MiB)")
             continue
-        cut = f"{r['x_min_cut']:10.2f}" if "x_min_cut" in r else " " * 10
+        cut = (f"{r['x_matched']:10.2f} [{r['x_matched_95'][0]:.2f}, {r['x_matched_95'][1]:.2f}]"
+               if "x_matched" in r else " " * 23)
         plan = f"  {', '.join(r['decisions'])}" if "decisions" in r else ""
         lines.append(f"{r['model']:<6} {r['variant']:<20} {r['saved_bytes'] / 2**20:10.2f} "
                      f"{r['time_ms']:9.1f} {r['x_compile_no_ac']:10.2f} {cut}{plan}")
@@ -193,6 +267,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # every variant's graphs stay compiled side by side (a Llama layer's forward
+    # has one graph per backend), none evicted by Dynamo's default limit of 8
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, 512)
     rows = [r for name in args.models for r in run_model(name, args)]
     print(format_table(rows))
     if args.json:

@@ -219,9 +219,12 @@ class Candidate:
     ops to recompute within the block)."""
 
 
-MIN_CUT_FRACTIONS = (0.25, 0.5, 0.75)
+MIN_CUT_FRACTIONS = (0.1, 0.2, 0.3, 0.5, 0.75)
 """The ``activation_memory_budget`` levels a compiled block is priced at
-(candidates ``"min-cut 0.25"`` ...), with inductor."""
+(candidates ``"min-cut 0.1"`` ...), with inductor. Dense at the low end, where
+one level's bytes differ most from the next: with levels 0.25 and up only, a
+tight budget left a tenth of itself unused and fell back to full recompute of
+whole blocks (``benchmarks/budget_compile.py``)."""
 
 
 def min_cut_candidates(options: tuple[tuple[str, Any], ...]) -> list[Candidate]:

@@ -15,19 +15,27 @@ pytestmark = pytest.mark.slow
 
 
 def test_budget_compile_small(tmp_path):
-    """The compiled MemoryBudget's whole-step peak is within the bytes torch's
-    min-cut kept (its budget), and each row of the plan names every block."""
+    """Each compiled MemoryBudget's whole-step peak is within the bytes the
+    min-cut variant it is matched with kept (its budget), each plan names every
+    block, and every variant has a step time and a ratio within rounds."""
     path = tmp_path / "bc.json"
     proc = run_benchmark("budget_compile", "--models", "gpt", "--layers", "2",
                          "--iters", "2", "--warmup", "2", "--fractions", "0.6",
                          "--json", str(path), timeout=900)
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
     assert set(rows) == {"eager no AC", "compile no AC", "min-cut 0.6",
-                         "min-cut 0.6 blocks", "MemoryBudget 0.6"}
-    ours = rows["MemoryBudget 0.6"]
-    assert ours["saved_bytes"] <= ours["budget_bytes"] == rows["min-cut 0.6"]["saved_bytes"]
-    assert ours["within_budget"] and len(ours["decisions"]) == 2
-    assert "MemoryBudget 0.6" in proc.stdout
+                         "min-cut 0.6 blocks", "MemoryBudget 0.6",
+                         "MemoryBudget 0.6 blocks"}
+    for variant, matched in (("MemoryBudget 0.6", "min-cut 0.6"),
+                             ("MemoryBudget 0.6 blocks", "min-cut 0.6 blocks")):
+        ours = rows[variant]
+        assert ours["matched"] == matched
+        assert ours["saved_bytes"] <= ours["budget_bytes"] == rows[matched]["saved_bytes"]
+        assert ours["within_budget"] and len(ours["decisions"]) == 2
+        low, high = ours["x_matched_95"]
+        assert low <= ours["x_matched"] <= high
+        assert variant in proc.stdout
+    assert all(r["time_ms"] > 0 and r["x_compile_no_ac"] > 0 for r in rows.values())
 
 
 def _imports(path: Path) -> list[str]:
