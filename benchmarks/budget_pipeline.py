@@ -14,14 +14,17 @@ Two pipeline stages on two gloo processes (CPU), each a slice of the reference G
 * ``step_ms``: the median wall time of a schedule step (the slower rank's).
 
 ``ScheduleInterleaved1F1B`` runs 4 virtual stages, 2 per rank (half of
-``--layers`` blocks each), and compares ``shared`` (one ``MemoryBudget`` object
+``--layers`` blocks each: stages ``r`` and ``r + 2`` on rank ``r``), and so do
+the V-shaped ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (stages ``r``
+and ``3 - r``: rank 0 holds the first stage and the last, with the loss); for
+these it compares ``shared`` (one ``MemoryBudget`` object
 per rank given to both of its stage modules: one budget for the rank, planned
 jointly against the concurrent peak the profiling step showed) with ``sum``
 (the same, planned against the sum of the two modules' own peaks, every module
 at its peak at once) and ``split`` (two objects of half the budget each).
 ``bound`` is what each rank's plan predicts (its ``rank_peak_bytes``). The
-table's ``bnd|fwd`` columns show ``bound`` on the interleaved rows and ``fwd`` on
-the others.
+table's ``bnd|fwd`` columns show ``bound`` on the rows of two stage modules per
+rank and ``fwd`` on the others (the JSON has ``fwd`` for both).
 
 Variants: ``none`` (no checkpoint), ``full`` (full recompute), ``per-stage``
 (``MemoryBudget(bytes=B)`` on each stage: each plans for the forwards its schedule
@@ -92,18 +95,25 @@ _FWD: list[int] = []
 """The last run's forward-only peak (the loss left out), for the rows."""
 
 
-def _run_interleaved(args, rank, policies, config):
-    """ScheduleInterleaved1F1B: virtual stages ``rank`` and ``rank + 2`` of 4 on
-    this rank (half of ``--layers`` blocks each), ``policies[k]`` on the k-th
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+"""Schedules that put stages ``r`` and ``3 - r`` of 4 on rank ``r`` (a V)."""
+MULTI = ("ScheduleInterleaved1F1B", *V_SHAPED)
+"""Schedules with two stage modules per rank."""
+
+
+def _run_multi(args, rank, schedule_name, policies, config):
+    """Two stage modules per rank: virtual stages ``rank`` and ``rank + 2`` of 4
+    (ScheduleInterleaved1F1B) or ``rank`` and ``3 - rank`` (the V-shaped
+    schedules), half of ``--layers`` blocks each; ``policies[k]`` on the k-th
     (the same object twice: one budget for the rank). The rank's peak (both
     modules counted together), median step time, the two modules."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as sch
 
     per = max(1, args.layers // 2)
+    order = (rank, 3 - rank) if schedule_name in V_SHAPED else (rank, rank + 2)
     mods, stages = [], []
-    for k in range(2):
-        s = rank + 2 * k
+    for k, s in enumerate(order):
         torch.manual_seed(0)
         m = GPTStage(GPT(config), list(range(s * per, (s + 1) * per)), first=s == 0, last=s == 3)
         if policies[k] is not None:
@@ -111,15 +121,19 @@ def _run_interleaved(args, rank, policies, config):
         mods.append(m)
         stages.append(PipelineStage(m, s, 4, torch.device("cpu")))
     meter = PeakSavedBytes(*mods, whole_step=True)
-    schedule = sch.ScheduleInterleaved1F1B(stages, n_microbatches=args.micro, loss_fn=_loss)
-    peak, step_s = _time_steps(args, rank, config, schedule, mods, meter)
+    schedule = getattr(sch, schedule_name)(stages, n_microbatches=args.micro, loss_fn=_loss)
+    peak, step_s = _time_steps(args, rank, config, schedule, mods, meter,
+                               first=0 in order, last=3 in order)
     return peak, step_s, mods
 
 
-def _time_steps(args, rank, config, schedule, mods, meter):
+def _time_steps(args, rank, config, schedule, mods, meter, first=None, last=None):
     """Run ``--warmup`` then ``--iters`` schedule steps: the rank's peak over the
     timed steps (the first step's where none is timed; the profiling step is left
-    out) and the median step time."""
+    out) and the median step time. ``first`` / ``last``: this rank holds the
+    first / last stage (by default rank 0 / rank 1)."""
+    first = rank == 0 if first is None else first
+    last = rank == 1 if last is None else last
     tokens, targets = make_batch(config, args.micro * args.micro_batch, seed=0)
     times, peaks, fwd = [], [], []
     for step in range(args.warmup + args.iters):
@@ -129,10 +143,8 @@ def _time_steps(args, rank, config, schedule, mods, meter):
         dist.barrier()
         t0 = time.perf_counter()
         with meter:
-            if rank == 0:
-                schedule.step(tokens)
-            else:
-                schedule.step(target=targets, losses=[])
+            schedule.step(*((tokens,) if first else ()),
+                          **({"target": targets, "losses": []} if last else {}))
         dist.barrier()
         if step >= args.warmup or step == 0:
             peaks.append(meter.peak)
@@ -143,14 +155,14 @@ def _time_steps(args, rank, config, schedule, mods, meter):
     return max(peaks[1:] or peaks), statistics.median(times)
 
 
-def _interleaved_rows(args, rank, config):
+def _multi_rows(args, rank, config, name):
     """none, full, and per budget: ``shared`` (one MemoryBudget object per rank
-    for both of its virtual stages, planned jointly) against ``split`` (two
+    for both of its stage modules, planned jointly against the concurrent peak),
+    ``sum`` (the same against the sum of their own peaks) and ``split`` (two
     objects of half the budget each: each stage module its own share)."""
     rows = []
-    name = "ScheduleInterleaved1F1B"
-    peak_none, t_none, _ = _run_interleaved(args, rank, (None, None), config)
-    peak_full, t_full, _ = _run_interleaved(args, rank, ("full", "full"), config)
+    peak_none, t_none, _ = _run_multi(args, rank, name, (None, None), config)
+    peak_full, t_full, _ = _run_multi(args, rank, name, ("full", "full"), config)
     nones, fulls = all_gather_objects(peak_none), all_gather_objects(peak_full)
     for variant, peaks, step in (("none", nones, t_none), ("full", fulls, t_full)):
         rows.append({"schedule": name, "variant": variant, "budget": None,
@@ -165,7 +177,7 @@ def _interleaved_rows(args, rank, config):
         for variant, policies in (("shared", (shared, shared)), ("sum", (summed, summed)),
                                   ("split", halves)):
             try:
-                peak, step, mods = _run_interleaved(args, rank, policies, config)
+                peak, step, mods = _run_multi(args, rank, name, policies, config)
             except Exception as e:  # a half too small for its stage
                 err = type(e).__name__
                 all_gather_objects(err)
@@ -177,6 +189,7 @@ def _interleaved_rows(args, rank, config):
             rows.append({
                 "schedule": name, "variant": variant, "budget": budget, "fraction": frac,
                 "peak_per_rank": all_gather_objects(peak),
+                "forward_peak_per_rank": all_gather_objects(_FWD[0]),
                 "step_ms": max(all_gather_objects(step)) * 1e3,
                 "recompute_ms": sum(all_gather_objects(recompute)) * 1e3,
                 "decisions": all_gather_objects(
@@ -224,8 +237,8 @@ def _worker(rank, args, store_path, out_path):
                        n_layers=2 * args.layers)
     rows = []
     for schedule_name in args.schedules:
-        if schedule_name == "ScheduleInterleaved1F1B":
-            rows.extend(_interleaved_rows(args, rank, config))
+        if schedule_name in MULTI:
+            rows.extend(_multi_rows(args, rank, config, schedule_name))
             continue
         peak_none, t_none, _ = _run(args, rank, schedule_name, None, config)
         peak_full, t_full, _ = _run(args, rank, schedule_name, "full", config)
@@ -311,7 +324,8 @@ def format_table(result) -> str:
         if r["decisions"]:
             dec = " | ".join(",".join(d.replace("save ", "s:") for d in ds) for ds in r["decisions"])
         p0, p1 = (p / 2**10 for p in r["peak_per_rank"])
-        bounds = r.get("bound_per_rank") or r.get("forward_peak_per_rank") or []
+        bounds = (r.get("bound_per_rank") if r["schedule"] in MULTI
+                  else r.get("forward_peak_per_rank")) or []
         b0, b1 = (f"{b / 2**10:.0f}Ki" for b in bounds) if bounds else ("", "")
         lines.append(
             f"{r['schedule'][:14]:<14} {r['variant']:<10} {budget:>10} {p0:>8.0f}Ki {p1:>8.0f}Ki "
