@@ -234,21 +234,32 @@ def _add_budget(name, f, matched, rows, build, apply_kw, options, add) -> None:
     ours["within_budget"] = ours["saved_bytes"] <= budget
 
 
+def _plan(decisions: list[str]) -> str:
+    """The blocks' decisions in order, a run of equal ones as ``d (xN)``."""
+    runs: list[list] = []
+    for d in decisions:
+        if runs and runs[-1][0] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([d, 1])
+    return ", ".join(d if n == 1 else f"{d} (x{n})" for d, n in runs)
+
+
 def format_table(rows) -> str:
-    head = (f"{'model':<6} {'variant':<20} {'saved MiB':>10} {'time ms':>9} "
-            f"{'x compile':>10} {'x matched [95%]':>23}  plan")
+    head = (f"{'model':<6} {'variant':<23} {'saved MiB':>9} {'time ms':>8} "
+            f"{'x compile':>9} {'x matched [95%]':>22}  plan")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("infeasible"):
-            lines.append(f"{r['model']:<6} {r['variant']:<20} below the blocks' full "
+            lines.append(f"{r['model']:<6} {r['variant']:<23} below the blocks' full "
                          f"recompute: smallest budget {r['smallest_bytes'] / 2**20:.2f} MiB "
-                         f"(min-cut kept {r['budget_bytes'] / 2**20:.2f} MiB)")
+                         f"({r['matched']} kept {r['budget_bytes'] / 2**20:.2f} MiB)")
             continue
-        cut = (f"{r['x_matched']:10.2f} [{r['x_matched_95'][0]:.2f}, {r['x_matched_95'][1]:.2f}]"
-               if "x_matched" in r else " " * 23)
-        plan = f"  {', '.join(r['decisions'])}" if "decisions" in r else ""
-        lines.append(f"{r['model']:<6} {r['variant']:<20} {r['saved_bytes'] / 2**20:10.2f} "
-                     f"{r['time_ms']:9.1f} {r['x_compile_no_ac']:10.2f} {cut}{plan}")
+        cut = (f"{r['x_matched']:9.2f} [{r['x_matched_95'][0]:.2f}, {r['x_matched_95'][1]:.2f}]"
+               if "x_matched" in r else "")
+        plan = f"  {_plan(r['decisions'])}" if "decisions" in r else ""
+        lines.append(f"{r['model']:<6} {r['variant']:<23} {r['saved_bytes'] / 2**20:9.2f} "
+                     f"{r['time_ms']:8.1f} {r['x_compile_no_ac']:9.2f} {cut:>22}{plan}".rstrip())
     return "\n".join(lines)
 
 
