@@ -98,9 +98,9 @@ def _llama(args):
 
 
 def _min_cut(fraction: float):
-    """Inductor under ``activation_memory_budget=fraction``: one backend object
-    per fraction, so that Dynamo keeps a graph per fraction (graphs compiled
-    for one backend are not reused by another)."""
+    """Inductor under ``activation_memory_budget=fraction``, as a backend object
+    of its own: Dynamo does not reuse a graph compiled for another backend, so
+    variants at different fractions never share one."""
     inductor = torch._dynamo.lookup_backend("inductor")
 
     def backend(gm, example_inputs):
