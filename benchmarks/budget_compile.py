@@ -22,9 +22,9 @@ one run so that the ratios compare on a noisy machine:
 Every variant is built and warmed first (compiled; the budget's profiling step
 run), then ``--iters`` rounds time one step (forward, loss, backward) of each
 variant in a rotating order, in the process's CPU time on one thread
-(``--threads``). The ratios (``x compile``, ``x min-cut``) are the median over
+(``--threads``). The ratios (``x compile``, ``x matched``) are the median over
 rounds of the ratio within a round, so a machine that slows down between rounds
-slows both sides alike; ``x min-cut`` comes with a seeded bootstrap 95%
+slows both sides alike; ``x matched`` comes with a seeded bootstrap 95%
 interval. Each min-cut level compiles with a backend of its own, so no two
 variants share a graph, and a graph compiled while timing is an error. Bytes:
 the peak of every byte saved for backward over a whole step, the loss included
@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import remat_dist as remat  # noqa: E402
+from benchmarks.dist import _median_ci95  # noqa: E402
 from remat_dist.models import GPT, Block, GPTConfig, make_batch  # noqa: E402
 from remat_dist.testing import PeakSavedBytes  # noqa: E402
 
@@ -123,17 +124,6 @@ def _peak(model, run, steps: int) -> int:
     return peak
 
 
-def _interval(ratios: list[float], seed: int = 0) -> tuple[float, float]:
-    """A seeded bootstrap 95% interval of the median of ``ratios``."""
-    gen = torch.Generator().manual_seed(seed)
-    n = len(ratios)
-    medians = sorted(
-        statistics.median(ratios[i] for i in torch.randint(0, n, (n,), generator=gen).tolist())
-        for _ in range(1000)
-    )
-    return medians[25], medians[974]
-
-
 def run_model(name: str, args) -> list[dict[str, Any]]:
     """Every variant built and warmed (compiled, the budget's profiling step run),
     its bytes measured, then ``--iters`` rounds that time one step of each variant
@@ -161,6 +151,30 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
               file=sys.stderr, flush=True)
         return rows[variant]
 
+    def add_budget(f, matched):
+        """``MemoryBudget(bytes=<what the variant ``matched`` kept>)``, or a row that
+        says the budget is below the blocks' full recompute."""
+        variant = "MemoryBudget " + matched.split(" ", 1)[1]
+        budget = rows[matched]["saved_bytes"]
+        m = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            remat.apply_remat(m, policy=remat.MemoryBudget(bytes=budget, compile=options),
+                              **apply_kw)
+        try:
+            ours = add(variant, m, fraction=f, budget_bytes=budget, matched=matched)
+        except remat.RematUsageError as e:
+            smallest = int(str(e).split("smallest feasible budget is ")[1].split()[0]
+                           .replace(",", ""))
+            rows[variant] = {"model": name, "variant": variant, "fraction": f,
+                             "matched": matched, "budget_bytes": budget, "infeasible": True,
+                             "smallest_bytes": smallest}
+            print(f"  {name:<6} {variant}: infeasible, smallest {smallest / 2**20:.2f} MiB",
+                  file=sys.stderr, flush=True)
+            return
+        ours["decisions"] = list(remat.budget.current_plan(m).decisions().values())
+        ours["within_budget"] = ours["saved_bytes"] <= budget
+
     add("eager no AC", build())
     m = build()
     for b in blocks_of(m):
@@ -176,7 +190,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
             b.compile(backend=_min_cut(f), **options)
         add(f"min-cut {f:g} blocks", m, fraction=f)
         for matched in (f"min-cut {f:g}", f"min-cut {f:g} blocks"):
-            _add_budget(name, f, matched, rows, build, apply_kw, options, add)
+            add_budget(f, matched)
 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     names = list(variants)
@@ -196,7 +210,7 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
 
     def paired(v: str, ref: str) -> tuple[float, tuple[float, float]]:
         ratios = [a / b for a, b in zip(times[v], times[ref])]
-        return statistics.median(ratios), _interval(ratios)
+        return statistics.median(ratios), _median_ci95(ratios)
 
     for v in names:
         row = rows[v]
@@ -205,33 +219,8 @@ def run_model(name: str, args) -> list[dict[str, Any]]:
         row["x_compile_no_ac"] = paired(v, "compile no AC")[0]
         if "matched" in row:
             ratio, interval = paired(v, row["matched"])
-            row["x_matched"], row["x_matched_95"] = ratio, list(interval)
+            row["x_matched"], row["x_matched_95"] = ratio, interval
     return list(rows.values())
-
-
-def _add_budget(name, f, matched, rows, build, apply_kw, options, add) -> None:
-    """``MemoryBudget(bytes=<what the variant ``matched`` kept>)``, or a row that
-    says the budget is below the blocks' full recompute."""
-    variant = "MemoryBudget " + matched.split(" ", 1)[1]
-    budget = rows[matched]["saved_bytes"]
-    m = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        remat.apply_remat(m, policy=remat.MemoryBudget(bytes=budget, compile=options),
-                          **apply_kw)
-    try:
-        ours = add(variant, m, fraction=f, budget_bytes=budget, matched=matched)
-    except remat.RematUsageError as e:
-        smallest = int(str(e).split("smallest feasible budget is ")[1].split()[0]
-                       .replace(",", ""))
-        rows[variant] = {"model": name, "variant": variant, "fraction": f,
-                         "matched": matched, "budget_bytes": budget, "infeasible": True,
-                         "smallest_bytes": smallest}
-        print(f"  {name:<6} {variant}: infeasible, smallest {smallest / 2**20:.2f} MiB",
-              file=sys.stderr, flush=True)
-        return
-    ours["decisions"] = list(remat.budget.current_plan(m).decisions().values())
-    ours["within_budget"] = ours["saved_bytes"] <= budget
 
 
 def _plan(decisions: list[str]) -> str:
